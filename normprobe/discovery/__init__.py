@@ -1,0 +1,16 @@
+"""Discovery: what a model contains (norms, stacks, residual adds, attention, output head)."""
+
+from .mapping import DiscoveryWarning, discover, discover_on_first_forward
+from .model_map import Anchor, Attention, ModelMap, NormLayer, ResidualAdd, Stack
+
+__all__ = [
+    "Anchor",
+    "Attention",
+    "DiscoveryWarning",
+    "ModelMap",
+    "NormLayer",
+    "ResidualAdd",
+    "Stack",
+    "discover",
+    "discover_on_first_forward",
+]

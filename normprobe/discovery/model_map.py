@@ -1,0 +1,345 @@
+"""The typed, printable result of `normprobe.discover`: what a model contains."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+NormKind = Literal["batchnorm", "layernorm", "rmsnorm", "groupnorm", "instancenorm", "unknown"]
+NormRole = Literal["pre", "post", "sandwich-post", "qk", "final", "branch", "other"]
+Placement = Literal["pre-ln", "post-ln", "sandwich", "deepnorm", "in-branch", "no-norm", "mixed"]
+EpsPlacement = Literal["inside-sqrt", "outside-sqrt", "unknown"]
+
+
+@dataclass(frozen=True)
+class NormLayer:
+    """One normalization layer.
+
+    Attributes:
+        path: name in ``model.named_modules()``.
+        kind: what it computes, by class where known and by behaviour otherwise.
+        role: where it sits relative to the residual stream: ``pre`` feeds a residual branch,
+            ``post`` normalizes the sum after a residual add, ``sandwich-post`` normalizes a
+            branch output before the add (with a ``pre`` norm on the same branch), ``qk`` sits on
+            queries/keys inside attention, ``final`` follows the last block of a stack, ``branch``
+            is elsewhere inside a residual branch, ``other`` is anything else (embeddings, stems).
+        class_name: the module's class.
+        dims: normalized feature dims (LayerNorm/RMSNorm) or channels (BatchNorm/GroupNorm).
+        layout: ``channels-last`` when statistics run over the last dim, ``channels-first``
+            over dim 1 of a channels-first tensor, ``batch`` over the batch, ``""`` if unknown.
+        affine: names of the layer's own learnable parameters (``weight``, ``bias``).
+        eps: the epsilon value, if the layer has one.
+        eps_attr: the attribute holding eps (``eps``, ``variance_epsilon``, ...).
+        eps_placement: ``inside-sqrt`` for sqrt(var + eps), ``outside-sqrt`` for sqrt(var) + eps.
+        gain_offset: 1.0 when the output scale is ``1 + weight`` (Gemma), 0.0 for ``weight``,
+            None without a gain.
+        recognized_by: how normprobe knew it is a norm and what kind.
+        stack, block: the stack and block index it belongs to, if any.
+    """
+
+    path: str
+    kind: NormKind
+    role: NormRole
+    class_name: str
+    dims: tuple[int, ...]
+    layout: str
+    affine: tuple[str, ...]
+    eps: float | None
+    eps_attr: str | None
+    eps_placement: EpsPlacement
+    gain_offset: float | None
+    recognized_by: str
+    stack: str | None = None
+    block: int | None = None
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Repeated blocks along the depth axis, in execution order.
+
+    Attributes:
+        path: the container (ModuleList/Sequential) holding the blocks.
+        blocks: the blocks' paths, in execution order.
+        block_type: the blocks' class name.
+        placement: how norms sit around the residual adds of these blocks.
+        qk_norm: whether the blocks normalize queries/keys.
+        parent: the enclosing stack's path when stacks are nested.
+    """
+
+    path: str
+    blocks: tuple[str, ...]
+    block_type: str
+    placement: Placement
+    qk_norm: bool = False
+    parent: str | None = None
+
+    @property
+    def depth(self) -> int:
+        return len(self.blocks)
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A module boundary where a residual add's output can be read on every step.
+
+    ``hook`` is ``pre`` (the tensor enters ``module``) or ``post`` (``module`` returns it); ``call``
+    counts the module's calls within one forward; ``key`` locates the tensor in
+    ``(args, kwargs)`` for ``pre`` or in the output for ``post``.
+    """
+
+    hook: Literal["pre", "post"]
+    module: str
+    call: int
+    key: tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class ResidualAdd:
+    """One ``y = x + F(x)`` performed inside some module's forward.
+
+    Attributes:
+        module: path of the module whose forward performs the add.
+        call: which call of that module (0 unless the module runs several times per forward).
+        ordinal: index among the residual adds of that call.
+        kind: ``identity`` for ``x + F(x)``, ``projection`` when the skip has its own layer
+            (ResNet's 1x1-conv downsample).
+        stack, block: the stack and block the add belongs to.
+        branch_out: the branch's last weight layer: the one writing into the residual stream.
+        branch_layers: the branch's weight layers (Linear/Conv/...), in execution order.
+        skip_scale: factor on the skip operand (DeepNorm's alpha), 1.0 if none.
+        pre_norm, post_norm, sandwich_norm: paths of the norms around this add, if any.
+        anchor: where the add's output can be read by hooks on every step (None: only from
+            inside ``module``'s forward).
+    """
+
+    module: str
+    call: int
+    ordinal: int
+    kind: Literal["identity", "projection"]
+    stack: str | None
+    block: int | None
+    branch_out: str | None
+    branch_layers: tuple[str, ...]
+    skip_scale: float = 1.0
+    pre_norm: str | None = None
+    post_norm: str | None = None
+    sandwich_norm: str | None = None
+    anchor: Anchor | None = None
+
+
+@dataclass(frozen=True)
+class Attention:
+    """A module computing softmax(QK^T): itself (``eager``) or by fused ``sdpa``."""
+
+    path: str
+    impl: Literal["sdpa", "eager"]
+    stack: str | None = None
+    block: int | None = None
+
+
+@dataclass
+class ModelMap:
+    """What `normprobe.discover` found in a model.
+
+    Attributes:
+        model_type: the root module's class name.
+        norms: every normalization layer, in module order.
+        stacks: the depth axes, in execution order.
+        residual_adds: every residual add, in execution order (empty unless traced).
+        attention: attention modules, in execution order.
+        head: the layer producing the model's output logits, if one was found.
+        traced: whether a forward pass was observed (residual adds, roles and behaviour need it).
+        trace_ms: how long the observed forward took, in milliseconds.
+        notes: things a reader should know (disagreements, missing sections).
+    """
+
+    model_type: str
+    norms: list[NormLayer] = field(default_factory=list)
+    stacks: list[Stack] = field(default_factory=list)
+    residual_adds: list[ResidualAdd] = field(default_factory=list)
+    attention: list[Attention] = field(default_factory=list)
+    head: str | None = None
+    traced: bool = False
+    trace_ms: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def norm(self, path: str) -> NormLayer:
+        """The norm at ``path``; KeyError lists the known ones."""
+        for n in self.norms:
+            if n.path == path:
+                return n
+        raise KeyError(f"no norm layer at {path!r}; known: {[n.path for n in self.norms][:20]}")
+
+    def stack(self, path: str) -> Stack:
+        """The stack at ``path``; KeyError lists the known ones."""
+        for s in self.stacks:
+            if s.path == path:
+                return s
+        raise KeyError(f"no stack at {path!r}; known: {[s.path for s in self.stacks]}")
+
+    def adds_in(self, stack: str) -> list[ResidualAdd]:
+        """Residual adds belonging to the stack at ``stack``."""
+        return [a for a in self.residual_adds if a.stack == stack]
+
+    def __str__(self) -> str:
+        return render(self)
+
+
+# A block index or ordinal inside a path: `h.3.attn`, `<root>#2`.
+_INDEX = re.compile(r"(?<=[.#])\d+(?=[.#\s]|$)")
+
+
+def _collapse(rows: list[tuple[str, ...]], path_cols: tuple[int, ...]) -> list[tuple[str, ...]]:
+    """Merge rows that differ only in block indices into one row with `{0..11}` ranges."""
+    groups: dict[tuple[str, ...], list[list[int]]] = {}
+    for row in rows:
+        values: list[int] = []
+
+        def hole(m: re.Match[str], values: list[int] = values) -> str:
+            values.append(int(m.group()))
+            return "{}"
+
+        template = tuple(
+            _INDEX.sub(hole, cell) if i in path_cols else cell for i, cell in enumerate(row)
+        )
+        groups.setdefault(template, []).append(values)
+    out = []
+    for template, rows_values in groups.items():
+        for run in _runs(rows_values):
+            out.append(_fill(template, run))
+    return out
+
+
+def _is_run(values: list[list[int]]) -> bool:
+    """Whether the rows count up together by one: [[0, 1], [1, 2], [2, 3]]."""
+    if len(values) < 2:
+        return True
+    step = [b - a for a, b in zip(values[0], values[1], strict=True)]
+    if any(s not in (0, 1) for s in step) or not any(step):
+        return False
+    return all(
+        v == [x + k * s for x, s in zip(values[0], step, strict=True)] for k, v in enumerate(values)
+    )
+
+
+def _runs(values: list[list[int]]) -> list[list[list[int]]]:
+    if _is_run(values):
+        return [values]
+    varying = [j for j in range(len(values[0])) if len({v[j] for v in values}) > 1]
+    j = varying[-1]
+    sub: dict[tuple[int, ...], list[list[int]]] = {}
+    for v in values:
+        sub.setdefault((*v[:j], *v[j + 1 :]), []).append(v)
+    return [
+        run
+        for group in sub.values()
+        for run in ([group] if _is_run(group) else [[v] for v in group])
+    ]
+
+
+def _fill(template: tuple[str, ...], run: list[list[int]]) -> tuple[str, ...]:
+    texts = iter(
+        str(a) if a == b else f"{{{a}..{b}}}" for a, b in zip(run[0], run[-1], strict=True)
+    )
+    filled = []
+    for cell in template:
+        parts = cell.split("{}")
+        filled.append(parts[0] + "".join(next(texts) + part for part in parts[1:]))
+    return tuple(filled)
+
+
+def _table(
+    header: tuple[str, ...],
+    rows: Sequence[tuple[str, ...]],
+    path_cols: tuple[int, ...] = (0,),
+    indent: str = "  ",
+) -> list[str]:
+    merged = _collapse(list(rows), path_cols)
+    widths = [max(len(r[i]) for r in [header, *merged]) for i in range(len(header))]
+    fmt = indent + "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header).rstrip(), *(fmt.format(*r).rstrip() for r in merged)]
+
+
+def _name(path: str | None) -> str:
+    if path is None:
+        return "-"
+    return path or "<root>"
+
+
+def _eps(n: NormLayer) -> str:
+    if n.eps is None:
+        return "-"
+    where = {"inside-sqrt": "in √", "outside-sqrt": "OUT of √", "unknown": "?"}[n.eps_placement]
+    return f"{n.eps:.0e} {where}"
+
+
+def _gain(n: NormLayer) -> str:
+    if not n.affine:
+        return "none"
+    text = "+".join(n.affine)
+    return f"1+{text}" if n.gain_offset == 1.0 else text
+
+
+def render(m: ModelMap) -> str:
+    """The compact table `print(model_map)` shows."""
+    how = f"traced one forward in {m.trace_ms:.0f} ms" if m.traced else "not traced (no inputs)"
+    lines = [f"ModelMap of {m.model_type}: {how}"]
+    lines.append(f"Stacks ({len(m.stacks)})")
+    rows: list[tuple[str, ...]] = []
+    if m.stacks:
+        for s in m.stacks:
+            adds = m.adds_in(s.path)
+            per_block = f"{len(adds) / s.depth:g}" if m.traced else "?"
+            place = s.placement + ("+qk-norm" if s.qk_norm else "")
+            rows.append((_name(s.path), str(s.depth), s.block_type, place, per_block))
+        lines += _table(("path", "blocks", "block", "placement", "adds/block"), rows, ())
+    else:
+        lines.append("  (none)")
+    lines.append(f"Norms ({len(m.norms)}: {_counts(n.kind for n in m.norms)})")
+    if m.norms:
+        rows = [
+            (
+                _name(n.path),
+                n.kind,
+                n.role,
+                "x".join(map(str, n.dims)) + (" cf" if n.layout == "channels-first" else ""),
+                _eps(n),
+                _gain(n),
+                n.recognized_by,
+            )
+            for n in m.norms
+        ]
+        lines += _table(("path", "kind", "role", "dims", "eps", "gain", "recognized by"), rows)
+    else:
+        lines.append("  (none)")
+    lines.append(f"Residual adds ({len(m.residual_adds)})")
+    if m.residual_adds:
+        rows = [
+            (
+                f"{_name(a.module)}#{a.ordinal}" + (f"@{a.call}" if a.call else ""),
+                a.kind + (f" x{a.skip_scale:.3g}" if a.skip_scale != 1.0 else ""),
+                _name(a.branch_out),
+                str(len(a.branch_layers)),
+                f"{a.anchor.hook} {_name(a.anchor.module)}" if a.anchor else "inside forward",
+            )
+            for a in m.residual_adds
+        ]
+        lines += _table(("add", "kind", "branch out", "layers", "read at"), rows, (0, 2, 4))
+    elif m.traced:
+        lines.append("  (none)")
+    else:
+        lines.append("  (unknown: pass example inputs to discover)")
+    if m.attention:
+        lines.append(f"Attention ({len(m.attention)})")
+        lines += _table(("path", "impl"), [(_name(a.path), a.impl) for a in m.attention])
+    lines.append(f"Head: {_name(m.head)}")
+    lines += [f"Note: {note}" for note in m.notes]
+    return "\n".join(lines)
+
+
+def _counts(items: Iterable[str]) -> str:
+    c = Counter(items)
+    return ", ".join(f"{v} {k}" for k, v in c.most_common()) or "none"

@@ -1,0 +1,295 @@
+"""Recognize normalization layers: by torch class, by class name, and by behaviour.
+
+The behaviour probe calls a candidate module on its own captured input (parameters swapped for
+random ones through `torch.func.functional_call`, buffers and modes restored afterwards) and asks:
+is the output unchanged when the input is scaled but changed by noise (a normalizer)? unchanged by
+a constant shift (re-centering: LayerNorm) or not (RMSNorm)? which elements share statistics with a
+perturbed one (last dim, channels, batch)? is the output non-zero with zeroed parameters (a
+Gemma-style ``1 + weight`` gain)? and, given eps, does it sit inside the square root?
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from .model_map import EpsPlacement, NormKind
+from .trace import iter_tensors
+
+TORCH_KINDS: tuple[tuple[type[nn.Module], NormKind], ...] = (
+    (nn.modules.instancenorm._InstanceNorm, "instancenorm"),
+    (_NormBase, "batchnorm"),
+    (nn.LayerNorm, "layernorm"),
+    (nn.RMSNorm, "rmsnorm"),
+    (nn.GroupNorm, "groupnorm"),
+    (nn.LocalResponseNorm, "unknown"),
+    (nn.CrossMapLRN2d, "unknown"),
+)
+# A class (or a base class) named like a norm: LayerNorm, RmsNorm, LayerNorm2d, BatchNormAct2d...
+NAME_PATTERN = re.compile(r"(?i)norm(\d?d)?(act)?(\d?d)?(fp32|nobias|gated|1p)?$")
+# Names that say the wrong thing about what the class computes.
+MISLEADING_NAMES: dict[str, NormKind] = {"T5LayerNorm": "rmsnorm", "MT5LayerNorm": "rmsnorm"}
+EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "eps_")
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    """What the probe measured on one module."""
+
+    centering: bool
+    layout: str  # "channels-last" | "channels-first" | "batch" | "spatial" | "groups"
+    dims: tuple[int, ...]
+    gain_offset: float | None
+    eps_placement: EpsPlacement
+    kind: NormKind
+
+
+def torch_kind(module: nn.Module) -> NormKind | None:
+    for cls, kind in TORCH_KINDS:
+        if isinstance(module, cls):
+            return kind
+    return None
+
+
+def name_match(module: nn.Module) -> str | None:
+    """The first class in the MRO named like a norm, if any."""
+    for cls in type(module).__mro__:
+        if cls in (nn.Module, object):
+            break
+        if NAME_PATTERN.search(cls.__name__):
+            return cls.__name__
+    return None
+
+
+def kind_from_name(class_name: str) -> NormKind:
+    if class_name in MISLEADING_NAMES:
+        return MISLEADING_NAMES[class_name]
+    lowered = class_name.lower()
+    for token, kind in (
+        ("rms", "rmsnorm"),
+        ("batch", "batchnorm"),
+        ("group", "groupnorm"),
+        ("instance", "instancenorm"),
+        ("layer", "layernorm"),
+    ):
+        if token in lowered:
+            return kind  # type: ignore[return-value]
+    return "unknown"
+
+
+def has_param_children(module: nn.Module) -> bool:
+    return any(any(True for _ in c.parameters()) for c in module.children())
+
+
+def is_probe_candidate(module: nn.Module) -> bool:
+    """Leaf-like modules that may be normalizers: not a known non-norm torch class."""
+    if has_param_children(module) or isinstance(module, nn.ModuleList | nn.ModuleDict):
+        return False
+    # torch's own classes are known; their subclasses elsewhere (timm's LayerNorm2d) may differ
+    return not type(module).__module__.startswith("torch.")
+
+
+def eps_of(module: nn.Module) -> tuple[float | None, str | None]:
+    for attr in EPS_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, float | int) and not isinstance(value, bool):
+            return float(value), attr
+    return None, None
+
+
+def torch_dims(module: nn.Module) -> tuple[int, ...]:
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        return tuple(module.normalized_shape)
+    if isinstance(module, nn.GroupNorm):
+        return (module.num_groups, module.num_channels)
+    if isinstance(module, _NormBase):
+        return (module.num_features,)
+    if isinstance(module, nn.LocalResponseNorm | nn.CrossMapLRN2d):
+        return (module.size,)
+    return ()
+
+
+def torch_layout(module: nn.Module) -> str:
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return "spatial"
+    if isinstance(module, _NormBase):
+        return "batch"
+    if isinstance(module, nn.GroupNorm):
+        return "groups"
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        return "channels-last"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# behaviour probe
+
+
+def _first_float_input(args: Any, kwargs: Any) -> tuple[tuple[str | int, ...], torch.Tensor] | None:
+    for key, t in iter_tensors((args, kwargs)):
+        if t.is_floating_point() and t.numel() >= 4:
+            return key, t
+    return None
+
+
+def _first_float(obj: Any) -> torch.Tensor | None:
+    for _, t in iter_tensors(obj):
+        if t.is_floating_point():
+            return t
+    return None
+
+
+def _replace(obj: Any, key: tuple[str | int, ...], value: torch.Tensor) -> Any:
+    if not key:
+        return value
+    head, rest = key[0], key[1:]
+    if isinstance(obj, tuple):
+        return tuple(_replace(v, rest, value) if i == head else v for i, v in enumerate(obj))
+    if isinstance(obj, list):
+        return [_replace(v, rest, value) if i == head else v for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        return {k: _replace(v, rest, value) if k == head else v for k, v in obj.items()}
+    return obj
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / a.norm().clamp_min(1e-30))
+
+
+class _Prober:
+    """Calls one module on variations of its captured input, leaving no trace on it."""
+
+    def __init__(self, module: nn.Module, args: Any, kwargs: Any, eps: float | None) -> None:
+        self.module = module
+        found = _first_float_input(args, kwargs)
+        if found is None:
+            raise ValueError("no floating-point input")
+        self.key, x = found
+        self.inputs = (args, kwargs)
+        x = x.detach().double()
+        # probe at a size where eps is negligible: every test below is relative to it
+        self.size = max(10.0, 100 * math.sqrt(eps)) if eps else 10.0
+        self.x = (x * self.size / x.pow(2).mean().sqrt().clamp_min(1e-12)).to(found[1].dtype)
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        noise = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+        noise -= (noise * x).sum() / x.pow(2).sum().clamp_min(1e-30) * x  # never parallel to x
+        self.noise = (self.size * noise / noise.pow(2).mean().sqrt()).to(self.x)
+        self.params = {
+            name: (1 + 0.1 * torch.randn(p.shape, generator=gen)).to(p)
+            if p.is_floating_point()
+            else p
+            for name, p in module.named_parameters()
+        }
+        self.train = False
+
+    def __call__(self, x: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> Any:
+        args, kwargs = _replace(self.inputs, self.key, x)
+        torch.manual_seed(0)  # identical dropout masks across calls
+        out = torch.func.functional_call(
+            self.module, params if params is not None else self.params, tuple(args), kwargs
+        )
+        y = _first_float(out)
+        if y is None or y.shape != x.shape:
+            raise ValueError("output shape differs from input")
+        return y.double()
+
+
+def probe(module: nn.Module, args: Any, kwargs: Any, eps: float | None) -> Behaviour | None:
+    """Measure whether ``module`` behaves like a normalizer on its input, and which one."""
+    saved_modes = [(m, m.training) for m in module.modules()]
+    saved_buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            p = _Prober(module, args, kwargs, eps)
+            for train in (False, True):  # batch statistics only show in train mode
+                module.train(train)
+                y = p(p.x)
+                if _rel(y, p(p.x * 7.3)) < 1e-3 and _rel(y, p(p.x + 0.5 * p.noise)) > 1e-2:
+                    return _describe(p, y, eps)
+            return None
+    except Exception:  # the module refuses variations of its input: not something we can probe
+        return None
+    finally:
+        for m, mode in saved_modes:
+            m.training = mode
+        for b, value in saved_buffers:
+            b.copy_(value)
+
+
+def _describe(p: _Prober, y: torch.Tensor, eps: float | None) -> Behaviour:
+    centering = _rel(y, p(p.x + 3.0 * p.size)) < 1e-3
+    layout, dims = _statistics_layout(p, y)
+    gain_offset = None
+    if p.params:
+        zeros = {n: torch.zeros_like(t) for n, t in p.params.items()}
+        gain_offset = 0.0 if float(p(p.x, zeros).abs().max()) < 1e-6 else 1.0
+    kind: NormKind
+    if layout == "batch":
+        kind = "batchnorm"
+    elif layout == "spatial":
+        kind = "instancenorm"
+    elif layout == "groups":
+        kind = "groupnorm"
+    elif layout in ("channels-last", "channels-first"):
+        kind = "layernorm" if centering else "rmsnorm"
+    else:
+        kind = "unknown"
+    return Behaviour(centering, layout, dims, gain_offset, _eps_placement(p, eps), kind)
+
+
+def _statistics_layout(p: _Prober, y: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    """Perturb one element and see which others move: they share its statistics."""
+    x = p.x.clone()
+    shape = x.shape
+    center = tuple(s // 2 for s in shape)
+    x[center] = x[center] + 5.0 * p.size
+    moved = ((p(x) - y).abs() > 1e-6 * y.abs().max().clamp_min(1e-30)).nonzero()
+    varying = {d for d in range(len(shape)) if (moved[:, d] != center[d]).any()}
+    nd = len(shape)
+    if not varying:
+        return "", ()
+    if 0 in varying and nd >= 2:
+        return "batch", (shape[1],)
+    if varying == {nd - 1}:
+        return "channels-last", (shape[-1],)
+    if nd >= 3 and varying == {1}:
+        return "channels-first", (shape[1],)
+    if nd >= 3 and 1 not in varying:
+        return "spatial", (shape[1],)
+    if nd >= 3 and 1 in varying:
+        channels = int(moved[:, 1].unique().numel())
+        if channels == shape[1] and varying == set(range(1, nd)):
+            return "channels-first", tuple(shape[1:])
+        return "groups", (shape[1] // channels, shape[1])
+    return "", ()
+
+
+def _eps_placement(p: _Prober, eps: float | None) -> EpsPlacement:
+    """Compare sqrt(ms + eps) with sqrt(ms) + eps on inputs whose mean square equals eps.
+
+    With every element +-c, any statistic group has mean square c^2. The odd part of the output
+    ``f(c s) - f(-c s)`` drops any bias; its size at c^2 = eps against c >> sqrt(eps) is 1/sqrt(2)
+    when eps is inside the root and about 1 when it is outside.
+    """
+    if eps is None or eps <= 0:
+        return "unknown"
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    signs = (torch.randint(0, 2, p.x.shape, generator=gen) * 2 - 1).to(p.x)
+    small, large = math.sqrt(eps), 1e3 * math.sqrt(eps)
+
+    def odd(c: float) -> float:
+        return float((p(signs * c) - p(-signs * c)).abs().mean())
+
+    ratio = odd(small) / max(odd(large), 1e-30)
+    if abs(ratio - 2**-0.5) < 0.05:
+        return "inside-sqrt"
+    if ratio > 0.9:
+        return "outside-sqrt"
+    return "unknown"

@@ -1,0 +1,400 @@
+"""Observe one forward pass: a dataflow graph of tensor ops with module-call provenance.
+
+A `TorchFunctionMode` records every torch op (its tensor inputs, whether it reads a parameter)
+while forward pre/post hooks keep the stack of module calls. The graph is in static single
+assignment form: an in-place op gives its tensor a new node. Tensors are tracked by weak
+reference, so the trace keeps no activation alive beyond what the forward itself does.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+ADD_OPS = frozenset({"add", "add_", "__add__", "__radd__", "__iadd__"})
+# Ops whose output holds the same values as their input (a residual read through them is exact).
+EXACT_VIEW_OPS = frozenset(
+    {
+        "view",
+        "reshape",
+        "view_as",
+        "reshape_as",
+        "permute",
+        "transpose",
+        "t",
+        "contiguous",
+        "clone",
+        "detach",
+        "flatten",
+        "squeeze",
+        "unsqueeze",
+        "to",
+        "float",
+        "type_as",
+        "type",
+    }
+)
+# Ops looked through when deciding what an operand derives from, but not value-preserving.
+PASS_OPS = frozenset(
+    {"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"}
+)
+SCALE_OPS = frozenset({"mul", "__mul__", "__rmul__", "div", "__truediv__", "mul_", "__imul__"})
+MATMUL_OPS = frozenset({"matmul", "__matmul__", "bmm", "einsum", "baddbmm"})
+SOFTMAX_OPS = frozenset({"softmax", "_softmax"})
+SDPA_OPS = frozenset({"scaled_dot_product_attention"})
+# Tensor methods that do no computation worth recording.
+_IGNORED = frozenset(
+    {
+        "__get__",
+        "__set__",
+        "size",
+        "dim",
+        "numel",
+        "__len__",
+        "is_floating_point",
+        "is_complex",
+        "__format__",
+        "__repr__",
+        "item",
+        "tolist",
+        "data_ptr",
+        "stride",
+        "storage_offset",
+        "is_contiguous",
+        "element_size",
+        "get_device",
+        "__bool__",
+        "__index__",
+        "__int__",
+        "__float__",
+        "__hash__",
+    }
+)
+
+Key = tuple[str | int, ...]
+
+
+def iter_tensors(obj: Any, prefix: Key = ()) -> Iterator[tuple[Key, torch.Tensor]]:
+    """Yield (key path, tensor) for tensors nested in tuples, lists and dicts (ModelOutput too)."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            if isinstance(k, str | int):
+                yield from iter_tensors(v, (*prefix, k))
+    elif isinstance(obj, tuple | list):
+        for i, v in enumerate(obj):
+            yield from iter_tensors(v, (*prefix, i))
+
+
+def get_by_key(obj: Any, key: Key) -> Any:
+    """Follow a key path produced by `iter_tensors`."""
+    for k in key:
+        obj = obj[k]
+    return obj
+
+
+@dataclass
+class Call:
+    """One call of one module during the traced forward."""
+
+    path: str
+    module: nn.Module
+    index: int  # how many times this module was called before
+    parent: int | None  # enclosing call
+    first_node: int  # nodes created during the call have ids >= first_node
+    end_node: int = -1
+    in_node: int | None = None  # first floating-point tensor input
+    out_node: int | None = None  # first floating-point tensor output
+    inputs: tuple[Any, Any] | None = None  # (args, kwargs), kept only for capture candidates
+
+
+@dataclass
+class Graph:
+    """Dataflow of one forward, one entry per tensor value (node)."""
+
+    op: list[str] = field(default_factory=list)
+    inputs: list[tuple[int, ...]] = field(default_factory=list)  # activation inputs only
+    act: list[bool] = field(default_factory=list)  # derives from the model's inputs
+    param_const: list[bool] = field(default_factory=list)  # a parameter or derived from them only
+    uses_param: list[bool] = field(default_factory=list)  # an activation op reading a parameter
+    alias: list[int] = field(default_factory=list)  # root through view/dropout/scalar-scale ops
+    alias_parent: list[int] = field(default_factory=list)  # previous node on that chain
+    factor: list[float] = field(default_factory=list)  # constant factor from `alias_parent`
+    exact: list[int] = field(default_factory=list)  # root through value-preserving views only
+    call: list[int | None] = field(default_factory=list)  # innermost module call
+    owner: list[str | None] = field(default_factory=list)  # module owning the parameter read
+    shape: list[tuple[int, ...]] = field(default_factory=list)
+    adds: list[tuple[int, int, int]] = field(default_factory=list)  # (out, left, right)
+    softmaxes: list[int] = field(default_factory=list)
+    sdpa_calls: list[int | None] = field(default_factory=list)  # call of each sdpa op
+    calls: list[Call] = field(default_factory=list)
+    # first module boundary where a node's value is seen: node -> (sequence, hook, call id, key)
+    boundary: dict[int, tuple[int, str, int, Key]] = field(default_factory=dict)
+    root_outputs: list[tuple[Key, int]] = field(default_factory=list)  # (key, node) of the output
+
+    def __len__(self) -> int:
+        return len(self.op)
+
+    def region(self, start: int, floor: int) -> tuple[set[int], set[int]]:
+        """Walk back from `start` through activation inputs, visiting nodes above `floor`.
+
+        Returns the visited nodes and the frontier: the nodes at or below `floor` reached.
+        Node ids are topologically ordered, so everything an op computed from lies below it.
+        """
+        seen: set[int] = set()
+        frontier: set[int] = set()
+        todo = [start]
+        while todo:
+            n = todo.pop()
+            if n <= floor:
+                frontier.add(n)
+                continue
+            if n in seen:
+                continue
+            seen.add(n)
+            todo.extend(self.inputs[n])
+        return seen, frontier
+
+    def path_of(self, node: int) -> str | None:
+        c = self.call[node]
+        return None if c is None else self.calls[c].path
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(
+        self,
+        model: nn.Module,
+        capture: Callable[[nn.Module], bool],
+    ) -> None:
+        super().__init__()
+        self.g = Graph()
+        self.names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        self.capture = capture
+        self.param_ids = {id(p) for p in model.parameters()}
+        self.owners: dict[int, list[str]] = {}
+        for name, m in model.named_modules(remove_duplicate=False):
+            for p in m.parameters(recurse=False):
+                self.owners.setdefault(id(p), []).append(name)
+        self.ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self.stack: list[int] = []
+        self.call_counts: dict[str, int] = {}
+        self.root = model
+        self.handles: list[RemovableHandle] = []
+
+    # graph bookkeeping -------------------------------------------------------------------
+    def _lookup(self, t: torch.Tensor) -> int | None:
+        entry = self.ids.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        return None
+
+    def _new(
+        self,
+        t: torch.Tensor,
+        op: str,
+        inputs: tuple[int, ...] = (),
+        act: bool = False,
+        param_const: bool = False,
+        uses_param: bool = False,
+        owner: str | None = None,
+    ) -> int:
+        g = self.g
+        n = len(g.op)
+        g.op.append(op)
+        g.inputs.append(inputs)
+        g.act.append(act)
+        g.param_const.append(param_const)
+        g.uses_param.append(uses_param)
+        g.alias.append(n)
+        g.alias_parent.append(n)
+        g.factor.append(1.0)
+        g.exact.append(n)
+        g.call.append(self.stack[-1] if self.stack else None)
+        g.owner.append(owner)
+        g.shape.append(tuple(t.shape))
+        self.ids[id(t)] = (weakref.ref(t), n)
+        return n
+
+    def node(self, t: torch.Tensor, act: bool = False) -> int:
+        n = self._lookup(t)
+        if n is None:
+            is_param = id(t) in self.param_ids
+            n = self._new(t, "input" if act else "const", act=act, param_const=is_param)
+        return n
+
+    def _owner(self, params: list[torch.Tensor]) -> str | None:
+        names = [name for p in params for name in self.owners.get(id(p), [])]
+        for c in reversed(self.stack):  # prefer the innermost module that owns the parameter
+            if self.g.calls[c].path in names:
+                return self.g.calls[c].path
+        return names[0] if names else None
+
+    # module hooks ----------------------------------------------------------------------------
+    def _pre(self, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        g = self.g
+        path = self.names.get(id(mod), "?")
+        index = self.call_counts.get(path, 0)
+        self.call_counts[path] = index + 1
+        is_root = not self.stack
+        call = Call(path, mod, index, self.stack[-1] if self.stack else None, first_node=len(g.op))
+        cid = len(g.calls)
+        g.calls.append(call)
+        for key, t in iter_tensors((args, kwargs)):
+            n = self.node(t, act=is_root)
+            if call.in_node is None and t.is_floating_point():
+                call.in_node = n
+            g.boundary.setdefault(n, (len(g.boundary), "pre", cid, key))
+        if self.capture(mod) and index == 0:
+            call.inputs = (args, kwargs)
+        call.first_node = len(g.op)
+        self.stack.append(cid)
+
+    def _post(
+        self, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
+        g = self.g
+        if not self.stack:  # pragma: no cover - always_call after a failed pre-hook
+            return
+        cid = self.stack.pop()
+        call = g.calls[cid]
+        call.end_node = len(g.op)
+        for key, t in iter_tensors(out):
+            n = self._lookup(t)
+            if n is None:
+                continue
+            if call.out_node is None and t.is_floating_point():
+                call.out_node = n
+            g.boundary.setdefault(n, (len(g.boundary), "post", cid, key))
+            if not self.stack and t.is_floating_point():
+                g.root_outputs.append((key, n))
+
+    def attach(self, model: nn.Module) -> None:
+        for m in model.modules():
+            self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(
+                m.register_forward_hook(self._post, with_kwargs=True, always_call=True)
+            )
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    # op interception -------------------------------------------------------------------------
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _IGNORED:
+            return func(*args, **kwargs)
+        # Inputs are resolved before the call: an in-place op rebinds its tensor to a new node.
+        in_tensors = [t for _, t in iter_tensors((args, kwargs))]
+        in_nodes = [self.node(t) for t in in_tensors]
+        add_operands = (
+            (in_nodes[0], in_nodes[1])
+            if name in ADD_OPS
+            and len(args) >= 2
+            and isinstance(args[0], torch.Tensor)
+            and isinstance(args[1], torch.Tensor)
+            else None
+        )
+        out = func(*args, **kwargs)
+        outs = (
+            [in_tensors[0]]
+            if name == "__setitem__" and in_tensors
+            else [t for _, t in iter_tensors(out)]
+        )
+        if not outs:
+            return out
+        g = self.g
+        act_in = tuple(n for n in in_nodes if g.act[n])
+        act = bool(act_in)
+        params = [t for t, n in zip(in_tensors, in_nodes, strict=True) if g.param_const[n]]
+        uses_param = act and bool(params)
+        owner = self._owner(params) if uses_param else None
+        param_const = not act and bool(params)
+        for t in outs:
+            n = self._new(t, name, act_in, act, param_const, uses_param, owner)
+            if act and in_nodes:
+                self._alias(n, name, args, in_tensors, in_nodes)
+            if add_operands is not None and act:
+                g.adds.append((n, *add_operands))
+            elif name in SOFTMAX_OPS and act:
+                g.softmaxes.append(n)
+        if name in SDPA_OPS:
+            g.sdpa_calls.append(self.stack[-1] if self.stack else None)
+        return out
+
+    def _alias(
+        self,
+        n: int,
+        name: str,
+        args: tuple[Any, ...],
+        in_tensors: list[torch.Tensor],
+        in_nodes: list[int],
+    ) -> None:
+        g = self.g
+        first = in_nodes[0]
+        if name in EXACT_VIEW_OPS and g.act[first]:
+            g.alias[n], g.alias_parent[n], g.exact[n] = g.alias[first], first, g.exact[first]
+        elif name in PASS_OPS and g.act[first]:
+            g.alias[n], g.alias_parent[n] = g.alias[first], first
+        elif name in SCALE_OPS and len(args) == 2:
+            factor = _scalar_factor(args, in_tensors, in_nodes, g)
+            if factor is not None:
+                src, value = factor
+                value = 1.0 / value if name.startswith(("div", "__truediv__")) else value
+                g.alias[n], g.alias_parent[n], g.factor[n] = g.alias[src], src, value
+
+
+def _scalar_factor(
+    args: tuple[Any, ...], in_tensors: list[torch.Tensor], in_nodes: list[int], g: Graph
+) -> tuple[int, float] | None:
+    """For `x * c` with c a Python number or a one-element constant tensor: (node of x, c)."""
+    acts = [(t, n) for t, n in zip(in_tensors, in_nodes, strict=True) if g.act[n]]
+    if len(acts) != 1:
+        return None
+    others = [a for a in args if a is not acts[0][0]]
+    if len(others) != 1:
+        return None
+    c = others[0]
+    if isinstance(c, int | float) and not isinstance(c, bool) and c != 0:
+        return acts[0][1], float(c)
+    if isinstance(c, torch.Tensor) and c.numel() == 1 and not isinstance(c, nn.Parameter):
+        value = float(c.detach().float().reshape(()))
+        return (acts[0][1], value) if value != 0 else None
+    return None
+
+
+def trace(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    capture: Callable[[nn.Module], bool],
+) -> Graph:
+    """Run ``model(*args, **kwargs)`` once under no_grad and record its dataflow.
+
+    Modules for which ``capture(module)`` is true keep the inputs of their first call
+    (for behaviour probes). Every hook is removed, also when the forward raises.
+    """
+    rec = _Recorder(model, capture)
+    rec.attach(model)
+    try:
+        with torch.no_grad(), rec:
+            model(*args, **kwargs)
+    finally:
+        rec.detach()
+    return rec.g
