@@ -73,9 +73,10 @@ def discover(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Mod
         id(m) for m in model.modules() if norm_rules.is_probe_candidate(m) or _named_norm(m)
     }
     g: Graph | None = None
-    start = time.perf_counter()
-    if traced:
-        with _read_only(model):
+    # behaviour probes call modules too: the model's own hooks stay silent until the end
+    with _read_only(model):
+        start = time.perf_counter()
+        if traced:
             try:
                 g = trace(model, example_args, example_kwargs, lambda m: id(m) in candidates)
             except Exception as err:
@@ -85,8 +86,8 @@ def discover(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Mod
                     "pass inputs that model(*args, **kwargs) accepts)"
                 )
                 raise
-    trace_ms = (time.perf_counter() - start) * 1e3
-    return _Builder(model, g, trace_ms).build()
+        trace_ms = (time.perf_counter() - start) * 1e3
+        return _Builder(model, g, trace_ms).build()
 
 
 def _named_norm(m: nn.Module) -> bool:
@@ -381,18 +382,19 @@ class _Builder:
             pre_norm=norms.get("pre_norm"),
             post_norm=norms.get("post_norm"),
             sandwich_norm=norms.get("sandwich_norm"),
-            anchor=self._anchor(a.out),
+            anchor=self._anchor(a),
         )
 
-    def _anchor(self, out: int) -> Anchor | None:
+    def _anchor(self, a: FoundAdd) -> Anchor:
         g = self.g
         assert g is not None
         best = None
         for node, event in g.boundary.items():
-            if node >= out and g.exact[node] == out and (best is None or event < best):
+            if node >= a.out and g.exact[node] == a.out and (best is None or event < best):
                 best = event
-        if best is None:
-            return None
+        if best is None:  # only the forward that computed it sees it: count adds there
+            call = g.calls[a.call]
+            return Anchor("inside", call.path, call.index, (g.add_order[a.out],))
         _, hook, cid, key = best
         call = g.calls[cid]
         return Anchor("pre" if hook == "pre" else "post", call.path, call.index, key)

@@ -83,14 +83,15 @@ class Stack:
 
 @dataclass(frozen=True)
 class Anchor:
-    """A module boundary where a residual add's output can be read on every step.
+    """Where a residual add's output can be read on every step.
 
-    ``hook`` is ``pre`` (the tensor enters ``module``) or ``post`` (``module`` returns it); ``call``
-    counts the module's calls within one forward; ``key`` locates the tensor in
-    ``(args, kwargs)`` for ``pre`` or in the output for ``post``.
+    ``hook`` is ``pre`` (the tensor enters ``module``), ``post`` (``module`` returns it) or
+    ``inside`` (no module boundary sees it: it is the ``key[0]``-th tensor add run while
+    ``module`` executes). ``call`` counts the module's calls within one forward; ``key`` locates
+    the tensor in ``(args, kwargs)`` for ``pre`` and in the output for ``post``.
     """
 
-    hook: Literal["pre", "post"]
+    hook: Literal["pre", "post", "inside"]
     module: str
     call: int
     key: tuple[str | int, ...]
@@ -111,8 +112,7 @@ class ResidualAdd:
         branch_layers: the branch's weight layers (Linear/Conv/...), in execution order.
         skip_scale: factor on the skip operand (DeepNorm's alpha), 1.0 if none.
         pre_norm, post_norm, sandwich_norm: paths of the norms around this add, if any.
-        anchor: where the add's output can be read by hooks on every step (None: only from
-            inside ``module``'s forward).
+        anchor: where the add's output can be read on every step.
     """
 
     module: str
@@ -323,7 +323,7 @@ def render(m: ModelMap) -> str:
                 a.kind + (f" x{a.skip_scale:.3g}" if a.skip_scale != 1.0 else ""),
                 _name(a.branch_out),
                 str(len(a.branch_layers)),
-                f"{a.anchor.hook} {_name(a.anchor.module)}" if a.anchor else "inside forward",
+                f"{a.anchor.hook} {_name(a.anchor.module)}" if a.anchor else "-",
             )
             for a in m.residual_adds
         ]

@@ -133,6 +133,8 @@ class Graph:
     owner: list[str | None] = field(default_factory=list)  # module owning the parameter read
     shape: list[tuple[int, ...]] = field(default_factory=list)
     adds: list[tuple[int, int, int]] = field(default_factory=list)  # (out, left, right)
+    # for each add's output: how many tensor-tensor adds ran before it in its call's extent
+    add_order: dict[int, int] = field(default_factory=dict)
     softmaxes: list[int] = field(default_factory=list)
     sdpa_calls: list[int | None] = field(default_factory=list)  # call of each sdpa op
     calls: list[Call] = field(default_factory=list)
@@ -186,6 +188,7 @@ class _Recorder(TorchFunctionMode):
         self.ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.stack: list[int] = []
         self.call_counts: dict[str, int] = {}
+        self.extent_adds: dict[int, int] = {}
         self.root = model
         self.handles: list[RemovableHandle] = []
 
@@ -332,8 +335,13 @@ class _Recorder(TorchFunctionMode):
                 self._alias(n, name, args, in_tensors, in_nodes)
             if add_operands is not None and act:
                 g.adds.append((n, *add_operands))
+                if self.stack:
+                    g.add_order[n] = self.extent_adds.get(self.stack[-1], 0)
             elif name in SOFTMAX_OPS and act:
                 g.softmaxes.append(n)
+        if add_operands is not None:
+            for cid in self.stack:
+                self.extent_adds[cid] = self.extent_adds.get(cid, 0) + 1
         if name in SDPA_OPS:
             g.sdpa_calls.append(self.stack[-1] if self.stack else None)
         return out

@@ -1,0 +1,181 @@
+"""The statistics normprobe logs, as pure tensor functions.
+
+Every function reduces in float32 and returns tensors on the input's device: nothing here
+reads a value back to the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+# Attention-logit entries at or below this are taken as masked (HF uses finfo.min, older code
+# -1e9 or -10000); no unmasked logit of a working model is that negative.
+MASKED_LOGIT = -1e4
+
+
+def rms(x: torch.Tensor) -> torch.Tensor:
+    """Root mean square of all elements: sqrt(mean(x^2))."""
+    return torch.linalg.vector_norm(x.detach(), dtype=torch.float32) / math.sqrt(max(x.numel(), 1))
+
+
+def feature_dim(x: torch.Tensor) -> int:
+    """The feature axis: channels (dim 1) for images (N, C, H, W), else the last one."""
+    return 1 if x.ndim >= 4 else -1
+
+
+def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of ``a`` and ``b`` along the feature axis, averaged over positions.
+
+    Between consecutive blocks' residual streams this approaches 1 when deep blocks stop
+    changing the representation (Pre-LN representation collapse).
+    """
+    dim = feature_dim(a)
+    return F.cosine_similarity(a.detach().float(), b.detach().float(), dim=dim).mean()
+
+
+def grad_norms(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """L2 norm of the gradients of each group of parameters (0 for a group without gradients).
+
+    Args:
+        groups: per block, its parameters.
+
+    Returns:
+        A float32 vector with one norm per group, on the first gradient's device.
+    """
+    grads = [[p.grad.detach() for p in params if p.grad is not None] for params in groups]
+    flat = [g for group in grads for g in group]
+    if not flat:
+        return torch.zeros(len(groups))
+    device = flat[0].device
+    squares = torch.stack([n.to(device) for n in torch._foreach_norm(flat)]).float().pow(2)
+    sizes = [len(group) for group in grads]
+    per_group = [part.sum() for part in squares.split(sizes)]  # type: ignore[no-untyped-call]
+    return torch.stack(per_group).sqrt()
+
+
+def update_ratios(
+    before: Sequence[Sequence[torch.Tensor]], after: Sequence[Sequence[torch.Tensor]]
+) -> torch.Tensor:
+    """||after - before|| / ||before|| per group of tensors (parameters across a step)."""
+    ratios = []
+    for old, new in zip(before, after, strict=True):
+        delta = torch._foreach_norm([n.detach() - o for o, n in zip(old, new, strict=True)])
+        size = torch._foreach_norm(list(old))
+        device = old[0].device
+        d2 = torch.stack([v.to(device) for v in delta]).float().pow(2).sum()
+        s2 = torch.stack([v.to(device) for v in size]).float().pow(2).sum()
+        ratios.append((d2.sqrt() / s2.sqrt().clamp_min(1e-30)).to(before[0][0].device))
+    return torch.stack(ratios)
+
+
+def logit_stats(logits: torch.Tensor) -> torch.Tensor:
+    """(max |logit|, RMS, mean log-sum-exp over the last axis) of output logits.
+
+    The mean log-sum-exp is the "z" that z-loss keeps near 0.
+    """
+    x = logits.detach().float()
+    return torch.stack([x.abs().amax(), rms(x), torch.logsumexp(x, dim=-1).mean()])
+
+
+def masked_abs_max(scores: torch.Tensor) -> torch.Tensor:
+    """max |s| over attention logits, skipping masked entries (-inf or <= MASKED_LOGIT)."""
+    s = scores.detach().float()
+    valid = s > MASKED_LOGIT
+    return torch.where(valid, s.abs(), torch.zeros((), device=s.device)).amax()
+
+
+def sdpa_logit_max(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    chunk_elements: int = 1 << 24,
+) -> torch.Tensor:
+    """max |q . k| * scale over the logits ``scaled_dot_product_attention`` would compute.
+
+    The logits are materialized in float32 a block of query rows at a time, so memory stays
+    near ``chunk_elements`` floats whatever the sequence length. Masked positions are skipped.
+    Grouped-query attention (fewer key heads) is expanded.
+    """
+    q, k = query.detach().float(), key.detach().float()
+    if k.shape[-3] != q.shape[-3] and k.ndim >= 3:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    rows_per_chunk = max(1, chunk_elements // max(1, q[..., :1, :1].numel() * t_k))
+    best = torch.zeros((), device=q.device)
+    kt = k.transpose(-1, -2)
+    for start in range(0, t_q, rows_per_chunk):
+        stop = min(t_q, start + rows_per_chunk)
+        s = (q[..., start:stop, :] @ kt) * scale
+        if attn_mask is not None:
+            m = attn_mask[..., start:stop, :] if attn_mask.shape[-2] == t_q else attn_mask
+            s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
+        if is_causal:
+            rows = torch.arange(start, stop, device=q.device)[:, None]
+            cols = torch.arange(t_k, device=q.device)[None, :]
+            s = s.masked_fill(cols > rows + (t_k - t_q), float("-inf"))
+        best = torch.maximum(best, masked_abs_max(s))
+    return best
+
+
+def batchnorm_stats(
+    x: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """How far a batch is from a BatchNorm's running statistics, and what that does.
+
+    Returns float32 (mean_drift, var_drift, train_eval_gap):
+
+    * mean_drift: mean over channels of |mu_batch - mu_run| / sqrt(var_run + eps);
+    * var_drift: mean over channels of |log((var_batch + eps) / (var_run + eps))|;
+    * train_eval_gap: RMS(y_train - y_eval) / RMS(y_train), where y_train normalizes the batch
+      with its own statistics (train mode) and y_eval with the running ones (eval mode).
+    """
+    xf = x.detach().float()
+    dims = [d for d in range(xf.ndim) if d != 1]
+    mean_b = xf.mean(dim=dims)
+    var_b = xf.var(dim=dims, unbiased=False)
+    mean_r, var_r = running_mean.detach().float(), running_var.detach().float()
+    mean_drift = ((mean_b - mean_r).abs() / (var_r + eps).sqrt()).mean()
+    var_drift = ((var_b + eps) / (var_r + eps)).log().abs().mean()
+    w = None if weight is None else weight.detach().float()
+    b = None if bias is None else bias.detach().float()
+    y_train = F.batch_norm(xf, None, None, w, b, training=True, eps=eps)
+    y_eval = F.batch_norm(xf, mean_r, var_r, w, b, training=False, eps=eps)
+    gap = rms(y_train - y_eval) / rms(y_train).clamp_min(1e-30)
+    return torch.stack([mean_drift, var_drift, gap])
+
+
+def gain_stats(weight: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+    """(mean, std) of a norm's effective gain ``offset + weight`` (Gemma: offset 1)."""
+    g = weight.detach().float() + offset
+    return torch.stack([g.mean(), g.std(unbiased=False)])
+
+
+def all_finite(x: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor: no NaN or Inf in ``x``."""
+    return torch.isfinite(x.detach()).all()
+
+
+def loglog_slope(values: Sequence[float]) -> float:
+    """Least-squares slope of log(value) against log(depth) for depths 1..L (host floats).
+
+    Pre-LN's sqrt(l) residual growth gives 0.5; a flat profile gives 0.
+    """
+    points = [(math.log(i + 1), math.log(v)) for i, v in enumerate(values) if v > 0]
+    if len(points) < 2:
+        return float("nan")
+    mx = sum(p[0] for p in points) / len(points)
+    my = sum(p[1] for p in points) / len(points)
+    sxx = sum((p[0] - mx) ** 2 for p in points)
+    return sum((p[0] - mx) * (p[1] - my) for p in points) / sxx

@@ -1,0 +1,749 @@
+"""The probe runtime: hooks at the places discovery found, a logging schedule, and statistics
+kept on the device until one transfer per logged step.
+
+On a step that is not logged every hook returns at once: no statistic is computed, no tensor is
+kept, nothing is read back. On a logged step, hooks reduce what they see to float32 scalars on
+the device; after the optimizer step those are concatenated and copied to the host in one go.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from . import probes
+from .discovery import DiscoveryWarning, ModelMap, discover
+from .discovery.trace import ADD_OPS, SDPA_OPS, SOFTMAX_OPS, get_by_key, iter_tensors
+from .sinks import Chart, Record, Sink, TensorBoardSink, chart_regex
+
+METRICS: dict[str, str] = {
+    "resid_rms": "RMS of the residual stream after each block (the output of the block's last "
+    "residual add, or of the norm right after it in Post-LN); per stack also its growth "
+    "(last block / first) and the slope of log RMS against log depth (0.5 for sqrt(l) growth)",
+    "resid_cos": "cosine similarity of consecutive blocks' residual streams along the feature "
+    "axis, averaged over positions; near 1 when blocks stop changing the representation",
+    "norm_rms": "RMS of each norm layer's input and output",
+    "norm_gain": "mean and std of each norm layer's effective gain (1 + weight for Gemma's norms)",
+    "grad_norm": "L2 norm of each block's parameter gradients just before the optimizer step "
+    "(after accumulation and AMP unscaling); per stack also the top/bottom ratio "
+    "(last block / first block)",
+    "update_ratio": "||new - old|| / ||old|| of each block's parameters across the optimizer step",
+    "logits": "the output head's logits: max |logit|, RMS and mean log-sum-exp (z)",
+    "attn_logits": "per attention module, max |q.k| * scale over unmasked positions, computed "
+    "from q and k when attention is fused (scaled_dot_product_attention)",
+    "bn_stats": "per BatchNorm: how far the batch's mean and variance are from the running ones "
+    "(normalized), and the train-vs-eval output gap on the logged batch",
+    "nonfinite": "number of modules whose output holds NaN or Inf, and the first of them in "
+    "execution order (warned once)",
+}
+PREFIX = "normprobe"
+
+
+def _check_metrics(metrics: Iterable[str] | None) -> tuple[str, ...]:
+    if metrics is None:
+        return tuple(METRICS)
+    if isinstance(metrics, str):
+        metrics = [metrics]
+    chosen = tuple(metrics)
+    unknown = [m for m in chosen if m not in METRICS]
+    if unknown:
+        raise ValueError(f"unknown metric(s) {unknown}; choose from {sorted(METRICS)}")
+    return chosen
+
+
+def tagged_blocks(depth: int, cap: int) -> list[int]:
+    """Blocks that get their own scalar tags: all up to ``cap``, else ``cap`` spread evenly."""
+    if depth <= cap:
+        return list(range(depth))
+    return sorted({round(i * (depth - 1) / (cap - 1)) for i in range(cap)})
+
+
+def _stack_tag(path: str) -> str:
+    return path or "root"
+
+
+class _InertHook:
+    """What a probe's hook becomes in a copy of the model: does nothing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _Hook:
+    """A probe callback registered on a module or optimizer.
+
+    Pickling, deep-copying or ``torch.save``-ing the model turns it into an `_InertHook`: a
+    copy of a probed model does not carry the probe (or its event writer) along.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return _InertHook, ()
+
+
+@dataclass
+class _Read:
+    """Read one tensor at a module boundary on a given call and hand it to ``action``."""
+
+    call: int
+    key: tuple[str | int, ...] | None  # None: the first floating-point tensor
+    action: Callable[[torch.Tensor], None]
+
+
+@dataclass
+class _Sites:
+    pre: list[_Read] = field(default_factory=list)
+    post: list[_Read] = field(default_factory=list)
+    inside: dict[int, dict[int, Callable[[torch.Tensor], None]]] = field(default_factory=dict)
+    attention: Callable[[torch.Tensor], None] | None = None
+    batchnorm: Callable[[torch.Tensor], None] | None = None
+
+
+class _AddCounter(TorchFunctionMode):
+    """Active inside one module call on logged steps: reads the n-th tensor add it sees."""
+
+    def __init__(self, targets: dict[int, Callable[[torch.Tensor], None]]) -> None:
+        super().__init__()
+        self.targets = targets
+        self.count = 0
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        if (
+            name in ADD_OPS
+            and len(args) >= 2
+            and isinstance(args[0], torch.Tensor)
+            and isinstance(args[1], torch.Tensor)
+        ):
+            action = self.targets.get(self.count)
+            if action is not None and isinstance(out, torch.Tensor):
+                action(out)
+            self.count += 1
+        return out
+
+
+class _AttentionLogits(TorchFunctionMode):
+    """Active inside one attention module on logged steps: max |logit| of what it attends with."""
+
+    def __init__(self, action: Callable[[torch.Tensor], None]) -> None:
+        super().__init__()
+        self.action = action
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in SDPA_OPS and len(args) >= 2:
+            self.action(
+                probes.sdpa_logit_max(
+                    args[0],
+                    args[1],
+                    attn_mask=kwargs.get("attn_mask", args[3] if len(args) > 3 else None),
+                    is_causal=bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False)),
+                    scale=kwargs.get("scale"),
+                )
+            )
+        elif name in SOFTMAX_OPS and args and isinstance(args[0], torch.Tensor):
+            self.action(probes.masked_abs_max(args[0]))
+        return func(*args, **kwargs)
+
+
+class Probe:
+    """Hooks on one model that log normalization, residual and gradient statistics.
+
+    Create it with `attach`. Steps advance with the optimizer's step (or `step` without an
+    optimizer); every ``every``-th step, starting with the first, is logged.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        sinks: Sequence[Sink] = (),
+        every: int = 50,
+        metrics: Iterable[str] | None = None,
+        max_block_tags: int = 64,
+        start_step: int = 0,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__qualname__}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"`every` must be a positive integer number of steps, got {every!r}")
+        if max_block_tags < 2:
+            raise ValueError(f"`max_block_tags` must be at least 2, got {max_block_tags}")
+        if _attached_probe(model) is not None:
+            raise RuntimeError(
+                f"a normprobe probe is already attached to this {type(model).__name__}; call "
+                "probe.remove() on it first (or keep using it: one probe logs every metric)"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.sinks = list(sinks)
+        self.every = every
+        self.metrics = _check_metrics(metrics)
+        self.max_block_tags = max_block_tags
+        self.step_count = start_step
+        self.model_map: ModelMap | None = None
+        self.latest: Record | None = None
+        self._handles: list[RemovableHandle] = []
+        self._logged = self._is_logged(start_step)
+        self._recording = False
+        self._pending: dict[tuple[str, ...], torch.Tensor] = {}
+        self._finite: list[tuple[str, torch.Tensor]] = []
+        self._calls: dict[str, int] = {}
+        self._modes: dict[str, list[TorchFunctionMode]] = {}
+        self._prev_stream: dict[str, tuple[int, torch.Tensor]] = {}
+        self._before_step: dict[str, list[list[torch.Tensor]]] = {}
+        self._layout_written = False
+        self._warned_nonfinite = False
+        self._removed = False
+        self._tags: dict[str, str] = {}
+        self._handles.append(model.register_forward_pre_hook(_Hook(self._root_pre)))
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(_Hook(self._before_optimizer)))
+            self._handles.append(optimizer.register_step_post_hook(_Hook(self._after_optimizer)))
+
+    # set-up ----------------------------------------------------------------------------------
+    def discover_now(self, *args: Any, **kwargs: Any) -> None:
+        """Map the model on these inputs and install the hooks."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DiscoveryWarning)  # one summary warning instead
+            model_map = discover(self.model, *args, **kwargs)
+        self._install(model_map)
+
+    def discover_lazily(self) -> None:
+        """Map the model on its first real forward, then record that forward already."""
+
+        def first(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self._discovery_hook.remove()
+            self.discover_now(*args, **kwargs)
+            self._begin_forward()
+
+        self._discovery_hook = self.model.register_forward_pre_hook(
+            _Hook(first), with_kwargs=True, prepend=True
+        )
+        self._handles.append(self._discovery_hook)
+
+    def _install(self, model_map: ModelMap) -> None:
+        self.model_map = model_map
+        modules = dict(self.model.named_modules(remove_duplicate=False))
+        self._tags = self._module_tags(model_map, modules)
+        self._block_params = {
+            s.path: [list(modules[b].parameters()) for b in s.blocks] for s in model_map.stacks
+        }
+        self._streamed = {s.path: s for s in model_map.stacks if model_map.adds_in(s.path)}
+        sites: dict[str, _Sites] = {}
+
+        def at(path: str) -> _Sites:
+            return sites.setdefault(path, _Sites())
+
+        if {"resid_rms", "resid_cos"} & set(self.metrics):
+            self._plan_streams(model_map, at)
+        if "norm_rms" in self.metrics:
+            for n in model_map.norms:
+                at(n.path).pre.append(_Read(0, None, self._setter(("norm_in_rms", n.path))))
+                at(n.path).post.append(_Read(0, None, self._setter(("norm_out_rms", n.path))))
+        if "logits" in self.metrics and model_map.head is not None:
+            at(model_map.head).post.append(_Read(0, None, self._logits))
+        if "attn_logits" in self.metrics:
+            for a in model_map.attention:
+                at(a.path).attention = self._attention_reader(a.path)
+        if "bn_stats" in self.metrics:
+            for n in model_map.norms:
+                m = modules[n.path]
+                if isinstance(m, _BatchNorm) and m.running_mean is not None:
+                    at(n.path).batchnorm = self._batchnorm_reader(n.path, m)
+        for path, site in sites.items():
+            self._register(path, modules[path], site)
+        if "nonfinite" in self.metrics:
+            for path, m in self.model.named_modules():
+                self._handles.append(m.register_forward_hook(_Hook(self._finite_reader(path))))
+        # registered last, so that it runs after every read of the root's own output
+        self._handles.append(
+            self.model.register_forward_hook(_Hook(self._root_post), always_call=True)
+        )
+        self._warn_missing(model_map)
+
+    def _plan_streams(self, model_map: ModelMap, at: Callable[[str], _Sites]) -> None:
+        """One read per block: the stream its last residual add leaves (after a Post-LN norm)."""
+        for stack in self._streamed.values():
+            last = {a.block: a for a in model_map.adds_in(stack.path) if a.block is not None}
+            for block, add in last.items():
+                action = self._stream_reader(stack.path, block)
+                if add.post_norm is not None:
+                    at(add.post_norm).post.append(_Read(0, None, action))
+                elif add.anchor is None:
+                    continue
+                elif add.anchor.hook == "inside":
+                    targets = at(add.anchor.module).inside.setdefault(add.anchor.call, {})
+                    targets[int(add.anchor.key[0])] = action
+                else:
+                    read = _Read(add.anchor.call, add.anchor.key, action)
+                    site = at(add.anchor.module)
+                    (site.pre if add.anchor.hook == "pre" else site.post).append(read)
+
+    def _register(self, path: str, module: nn.Module, site: _Sites) -> None:
+        def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not self._recording:
+                return
+            call = self._calls[path] = self._calls.get(path, -1) + 1
+            for read in site.pre:
+                if read.call == call:
+                    self._read(read, (args, kwargs))
+            if site.batchnorm is not None and call == 0:
+                x = _first_float((args, kwargs))
+                if x is not None:
+                    site.batchnorm(x)
+            modes: list[TorchFunctionMode] = []
+            if site.inside.get(call):
+                modes.append(_AddCounter(site.inside[call]))
+            if site.attention is not None:
+                modes.append(_AttentionLogits(site.attention))
+            for mode in modes:
+                mode.__enter__()  # type: ignore[no-untyped-call]
+            if modes:
+                self._modes[path] = modes
+
+        def post(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+            for mode in reversed(self._modes.pop(path, [])):
+                mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            if not self._recording:
+                return
+            call = self._calls.get(path, 0)
+            for read in site.post:
+                if read.call == call:
+                    self._read(read, out)
+
+        self._handles.append(module.register_forward_pre_hook(_Hook(pre), with_kwargs=True))
+        self._handles.append(
+            module.register_forward_hook(_Hook(post), with_kwargs=True, always_call=True)
+        )
+
+    @staticmethod
+    def _read(read: _Read, container: Any) -> None:
+        t = _first_float(container) if read.key is None else get_by_key(container, read.key)
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            read.action(t)
+
+    # readers (run on logged steps only) ---------------------------------------------------
+    def _setter(self, key: tuple[str, ...]) -> Callable[[torch.Tensor], None]:
+        def set_rms(t: torch.Tensor) -> None:
+            self._pending[key] = probes.rms(t)
+
+        return set_rms
+
+    def _stream_reader(self, stack: str, block: int) -> Callable[[torch.Tensor], None]:
+        def read(t: torch.Tensor) -> None:
+            if "resid_rms" in self.metrics:
+                self._pending[("resid_rms", stack, str(block))] = probes.rms(t)
+            if "resid_cos" in self.metrics:
+                prev = self._prev_stream.get(stack)
+                if prev is not None and prev[0] == block - 1 and prev[1].shape == t.shape:
+                    cos = probes.mean_cosine(prev[1], t)
+                    self._pending[("resid_cos", stack, str(block))] = cos
+                self._prev_stream[stack] = (block, t.detach())
+
+        return read
+
+    def _logits(self, t: torch.Tensor) -> None:
+        self._pending[("logits",)] = probes.logit_stats(t)
+
+    def _attention_reader(self, path: str) -> Callable[[torch.Tensor], None]:
+        key = ("attn_logit_max", path)
+
+        def read(value: torch.Tensor) -> None:
+            old = self._pending.get(key)
+            self._pending[key] = value if old is None else torch.maximum(old, value)
+
+        return read
+
+    def _batchnorm_reader(self, path: str, m: _BatchNorm) -> Callable[[torch.Tensor], None]:
+        def read(x: torch.Tensor) -> None:
+            assert m.running_mean is not None and m.running_var is not None
+            self._pending[("bn", path)] = probes.batchnorm_stats(
+                x, m.running_mean, m.running_var, m.weight, m.bias, m.eps
+            )
+
+        return read
+
+    def _finite_reader(self, path: str) -> Callable[..., None]:
+        def read(mod: nn.Module, args: Any, out: Any) -> None:
+            if self._recording:
+                flags = [
+                    probes.all_finite(t) for _, t in iter_tensors(out) if t.is_floating_point()
+                ]
+                if flags:
+                    self._finite.append(
+                        (path, torch.stack(flags).all() if len(flags) > 1 else flags[0])
+                    )
+
+        return read
+
+    # the schedule ------------------------------------------------------------------------------
+    def _is_logged(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def _root_pre(self, *_: Any) -> None:
+        self._begin_forward()
+
+    def _begin_forward(self) -> None:
+        self._recording = self._logged and not self._removed
+        if self._recording:
+            self._calls.clear()
+            self._prev_stream.clear()
+            self._finite.clear()
+
+    def _root_post(self, *_: Any) -> None:
+        self._recording = False
+        self._prev_stream.clear()
+        self._exit_modes()
+
+    def _before_optimizer(self, *_: Any) -> None:
+        if not self._logged or self.model_map is None:
+            return
+        self._record_parameters()
+        if "update_ratio" in self.metrics:
+            self._before_step = {
+                s: [[p.detach().clone() for p in params] for params in blocks]
+                for s, blocks in self._block_params.items()
+            }
+
+    def _after_optimizer(self, *_: Any) -> None:
+        if self._logged and self.model_map is not None:
+            for s, before in self._before_step.items():
+                self._pending[("update_ratio", s)] = probes.update_ratios(
+                    before, self._block_params[s]
+                )
+            self._before_step = {}
+            self.flush()
+        self._advance()
+
+    def _record_parameters(self) -> None:
+        """Gradients and gains as they are before the optimizer step."""
+        assert self.model_map is not None
+        if "grad_norm" in self.metrics:
+            for s, blocks in self._block_params.items():
+                self._pending[("grad_norm", s)] = probes.grad_norms(blocks)
+        if "norm_gain" in self.metrics:
+            modules = dict(self.model.named_modules())
+            for n in self.model_map.norms:
+                weight = getattr(modules[n.path], "weight", None)
+                if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+                    self._pending[("gain", n.path)] = probes.gain_stats(weight, n.gain_offset or 0)
+
+    def _advance(self) -> None:
+        self.step_count += 1
+        self._logged = self._is_logged(self.step_count)
+
+    def step(self) -> None:
+        """End a step by hand (training without an optimizer passed to `attach`).
+
+        On a logged step, reads the gradients present now and writes the step's statistics.
+        """
+        if self.optimizer is not None:
+            raise RuntimeError(
+                "this probe advances with its optimizer's step(); don't call probe.step() too"
+            )
+        if self._logged and self.model_map is not None:
+            self._record_parameters()
+            self.flush()
+        self._advance()
+
+    # writing -------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Copy the step's statistics to the host (one transfer) and hand them to the sinks."""
+        model_map = self.model_map
+        if model_map is None:
+            return
+        keys = list(self._pending)
+        parts = [self._pending[k].reshape(-1) for k in keys]
+        finite = self._finite
+        if finite:
+            parts.append(torch.stack([flag for _, flag in finite]).float())
+        self._pending, self._finite = {}, []
+        if not parts:
+            return
+        device = parts[0].device
+        values = torch.cat([p.float().to(device) for p in parts]).tolist()  # the one transfer
+        record = self._record(keys, [p.numel() for p in parts], values, finite)
+        self.latest = record
+        if not self._layout_written:
+            charts = self._charts(record)
+            for sink in self.sinks:
+                sink.layout(charts)
+            self._layout_written = True
+        for sink in self.sinks:
+            sink.write(record)
+            sink.flush()
+
+    def _record(
+        self,
+        keys: list[tuple[str, ...]],
+        sizes: list[int],
+        values: list[float],
+        finite: list[tuple[str, torch.Tensor]],
+    ) -> Record:
+        assert self.model_map is not None
+        record = Record(self.step_count)
+        out = record.scalars
+        pos = 0
+        by_key: dict[tuple[str, ...], list[float]] = {}
+        for key, size in zip(keys, sizes, strict=False):
+            by_key[key] = values[pos : pos + size]
+            pos += size
+        stacks = {s.path: s for s in self.model_map.stacks}
+        per_block: dict[tuple[str, str], dict[int, float]] = {}
+        for key, vals in by_key.items():
+            family = key[0]
+            if family in ("resid_rms", "resid_cos"):
+                per_block.setdefault((family, key[1]), {})[int(key[2])] = vals[0]
+            elif family in ("grad_norm", "update_ratio"):
+                per_block[(family, key[1])] = dict(enumerate(vals))
+            elif family in ("norm_in_rms", "norm_out_rms"):
+                out[f"{PREFIX}/{family}/{self._norm_tag(key[1])}"] = vals[0]
+            elif family == "gain":
+                out[f"{PREFIX}/norm_gain_mean/{self._norm_tag(key[1])}"] = vals[0]
+                out[f"{PREFIX}/norm_gain_std/{self._norm_tag(key[1])}"] = vals[1]
+            elif family == "bn":
+                tag = self._norm_tag(key[1])
+                for name, v in zip(("bn_mean_drift", "bn_var_drift", "bn_gap"), vals, strict=True):
+                    out[f"{PREFIX}/{name}/{tag}"] = v
+            elif family == "logits":
+                for name, v in zip(("max_abs", "rms", "z"), vals, strict=True):
+                    out[f"{PREFIX}/logits/{name}"] = v
+            elif family == "attn_logit_max":
+                out[f"{PREFIX}/attn_logit_max/{self._norm_tag(key[1])}"] = vals[0]
+        for (family, stack_path), blocks in per_block.items():
+            stack = stacks[stack_path]
+            tag = f"{PREFIX}/{family}/{_stack_tag(stack_path)}"
+            width = len(str(stack.depth - 1))
+            for b in tagged_blocks(stack.depth, self.max_block_tags):
+                if b in blocks:
+                    out[f"{tag}/{b:0{width}d}"] = blocks[b]
+            record.profiles[tag] = [blocks.get(b, float("nan")) for b in range(stack.depth)]
+            first, last = blocks.get(0), blocks.get(stack.depth - 1)
+            if family == "grad_norm" and first and last is not None:
+                out[f"{PREFIX}/grad_ratio/{_stack_tag(stack_path)}"] = last / first
+            if family == "resid_rms" and first and last is not None:
+                out[f"{PREFIX}/resid_growth/{_stack_tag(stack_path)}"] = last / first
+                ordered = [blocks[b] for b in sorted(blocks)]
+                out[f"{PREFIX}/resid_slope/{_stack_tag(stack_path)}"] = probes.loglog_slope(ordered)
+        if finite:
+            flags = values[pos:]
+            bad = [path for (path, _), ok in zip(finite, flags, strict=True) if ok < 0.5]
+            out[f"{PREFIX}/nonfinite/modules"] = float(len(bad))
+            if bad:
+                first_bad = bad[0] or "<root>"
+                record.texts[f"{PREFIX}/nonfinite/first"] = first_bad
+                if not self._warned_nonfinite:
+                    self._warned_nonfinite = True
+                    warnings.warn(
+                        f"normprobe: NaN/Inf first appeared in the output of {first_bad} "
+                        f"at step {self.step_count} ({len(bad)} modules affected)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+        return record
+
+    def _norm_tag(self, path: str) -> str:
+        return self._tags.get(path) or path or "root"
+
+    @staticmethod
+    def _module_tags(model_map: ModelMap, paths: Iterable[str]) -> dict[str, str]:
+        """``<stack>/<block>.<rest>`` for modules inside a stack block (innermost block)."""
+        blocks = {
+            block: f"{_stack_tag(s.path)}/{b:0{len(str(s.depth - 1))}d}"
+            for s in model_map.stacks
+            for b, block in enumerate(s.blocks)
+        }
+        tags = {}
+        for path in paths:
+            parts = path.split(".")
+            for i in range(len(parts) - 1, 0, -1):
+                prefix = ".".join(parts[:i])
+                if prefix in blocks:
+                    tags[path] = f"{blocks[prefix]}.{'.'.join(parts[i:])}"
+                    break
+        return tags
+
+    def _charts(self, record: Record) -> list[Chart]:
+        """One multi-line chart per family and stack (or per norm position within a stack)."""
+        charts: dict[tuple[str, str], str] = {}
+        for tag in record.scalars:
+            parts = tag.split("/")
+            family = parts[1]
+            rest = "/".join(parts[2:])
+            if len(parts) >= 4 and re.fullmatch(r"\d+", parts[-1]):  # .../<stack>/<block>
+                title = "/".join(parts[2:-1])
+                charts[(family, title)] = chart_regex("/".join(parts[:-1]))
+            elif len(parts) >= 4 and re.fullmatch(r"\d+\..+", parts[-1]):  # .../<block>.<norm>
+                position = parts[-1].split(".", 1)[1]
+                title = "/".join(parts[2:-1]) + f" {position}"
+                prefix = re.escape("/".join(parts[:-1]))
+                charts[(family, title)] = f"^{prefix}/\\d+\\.{re.escape(position)}$"
+            else:
+                charts[(family, rest)] = "^" + re.escape(tag) + "$"
+        return [(f"{PREFIX} {family}", title, regex) for (family, title), regex in charts.items()]
+
+    def _warn_missing(self, model_map: ModelMap) -> None:
+        missing = []
+        if not model_map.residual_adds and {"resid_rms", "resid_cos"} & set(self.metrics):
+            missing.append("no residual adds (resid_rms, resid_cos)")
+        if not model_map.norms and {"norm_rms", "norm_gain"} & set(self.metrics):
+            missing.append("no norm layers (norm_rms, norm_gain)")
+        if not model_map.stacks and {"grad_norm", "update_ratio"} & set(self.metrics):
+            missing.append("no stacks of blocks (grad_norm, update_ratio)")
+        if missing:
+            warnings.warn(
+                f"normprobe: {model_map.model_type} has {'; '.join(missing)}: "
+                "logging the other metrics",
+                DiscoveryWarning,
+                stacklevel=3,
+            )
+
+    def _exit_modes(self) -> None:
+        """Leave modes a forward that raised midway left entered, innermost first."""
+        for modes in reversed(list(self._modes.values())):
+            for mode in reversed(modes):
+                mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        self._modes.clear()
+
+    # lifetime ------------------------------------------------------------------------------------
+    def remove(self) -> None:
+        """Remove every hook, write what is pending and close what the probe opened. Idempotent."""
+        if self._removed:
+            return
+        self._removed = True
+        self._recording = False
+        self._exit_modes()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for sink in self.sinks:
+            sink.close()
+
+    @property
+    def attached(self) -> bool:
+        return not self._removed
+
+    def __enter__(self) -> Probe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def _first_float(container: Any) -> torch.Tensor | None:
+    for _, t in iter_tensors(container):
+        if t.is_floating_point():
+            return t
+    return None
+
+
+def _attached_probe(model: nn.Module) -> Probe | None:
+    for hook in model._forward_pre_hooks.values():
+        fn = getattr(hook, "fn", None)
+        owner = getattr(fn, "__self__", None)
+        if isinstance(hook, _Hook) and isinstance(owner, Probe) and owner.attached:
+            return owner
+    return None
+
+
+def attach(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    log_dir: str | None = None,
+    writer: Any = None,
+    every: int = 50,
+    metrics: Iterable[str] | None = None,
+    example_inputs: tuple[Any, ...] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    max_block_tags: int = 64,
+) -> Probe:
+    """Attach a probe that logs the model's norm, residual and gradient statistics.
+
+    The model is mapped with `normprobe.discover` on ``example_inputs`` if given, else on its
+    first forward. Every ``every``-th step (the first included) is logged to TensorBoard under
+    ``normprobe/<metric family>/...``, with a custom-scalars layout and depth histograms.
+
+    Metrics (all by default; choose with ``metrics=[...]``):
+
+    {metrics}
+
+    Args:
+        model: the model to watch.
+        optimizer: its optimizer; steps advance with ``optimizer.step()`` and gradients are read
+            just before it. Without one, call ``probe.step()`` after each step.
+        log_dir: where to write TensorBoard event files.
+        writer: an existing ``SummaryWriter`` to write to instead (left open on removal).
+        every: log every this many steps.
+        metrics: names from ``normprobe.METRICS``.
+        example_inputs, example_kwargs: inputs to map the model now instead of on its first
+            forward.
+        max_block_tags: deeper stacks get scalar tags for this many evenly spread blocks only
+            (depth histograms always hold every block).
+
+    Returns:
+        A `Probe`, also a context manager; ``probe.remove()`` is idempotent.
+
+    Raises:
+        ValueError: unknown metric names or a bad ``every``.
+        RuntimeError: a probe is already attached to the model.
+
+    Example::
+
+        with normprobe.attach(model, optimizer=opt, log_dir="runs/a", every=50):
+            for x, y in loader:
+                loss = F.cross_entropy(model(x), y)
+                loss.backward(); opt.step(); opt.zero_grad()
+    """
+    sink = TensorBoardSink(writer=writer, log_dir=log_dir)
+    try:
+        probe = Probe(
+            model,
+            optimizer=optimizer,
+            sinks=[sink],
+            every=every,
+            metrics=metrics,
+            max_block_tags=max_block_tags,
+        )
+    except Exception:
+        sink.close()
+        raise
+    try:
+        if example_inputs is not None or example_kwargs is not None:
+            probe.discover_now(*(example_inputs or ()), **(example_kwargs or {}))
+        else:
+            probe.discover_lazily()
+    except BaseException:
+        probe.remove()
+        raise
+    return probe
+
+
+if attach.__doc__:
+    attach.__doc__ = attach.__doc__.replace(
+        "{metrics}", "\n    ".join(f"* ``{k}``: {v}." for k, v in METRICS.items())
+    )

@@ -1,0 +1,117 @@
+"""Where logged statistics go: TensorBoard event files (scalars, layout, depth profiles)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+# A chart of the custom-scalars dashboard: (category, title, regex of the tags it draws).
+Chart = tuple[str, str, str]
+
+
+@dataclass
+class Record:
+    """Everything one logged step produced, already on the host.
+
+    Attributes:
+        step: the training step.
+        scalars: tag -> value.
+        profiles: tag -> one value per block (the depth view of a metric over a stack).
+        texts: tag -> text (the first module with a non-finite output).
+    """
+
+    step: int
+    scalars: dict[str, float] = field(default_factory=dict)
+    profiles: dict[str, list[float]] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
+
+
+class Sink(Protocol):
+    """Receives records; `layout` is called once, before the first record."""
+
+    def layout(self, charts: list[Chart]) -> None: ...
+
+    def write(self, record: Record) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TensorBoardSink:
+    """Writes records to a `torch.utils.tensorboard.SummaryWriter`.
+
+    Scalars become plain tags; the layout becomes a custom-scalars dashboard with one multi-line
+    chart per metric family and stack; each depth profile becomes a histogram whose buckets are
+    the block indices (Histograms tab: metric against depth, one slice per logged step).
+
+    Args:
+        writer: an existing ``SummaryWriter``, or None to create one in ``log_dir``.
+        log_dir: directory for a new writer (``runs/<date>`` when both are None).
+        close_writer: close the writer on `close` (default: only when this sink created it).
+    """
+
+    def __init__(
+        self,
+        writer: Any = None,
+        log_dir: str | None = None,
+        close_writer: bool | None = None,
+    ) -> None:
+        if writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(log_dir=log_dir)
+            close_writer = True if close_writer is None else close_writer
+        self.writer = writer
+        self.close_writer = bool(close_writer)
+
+    @property
+    def log_dir(self) -> str:
+        return str(self.writer.log_dir)
+
+    def layout(self, charts: list[Chart]) -> None:
+        categories: dict[str, dict[str, list[Any]]] = {}
+        for category, title, regex in charts:
+            categories.setdefault(category, {})[title] = ["Multiline", [regex]]
+        if categories:
+            self.writer.add_custom_scalars(categories)
+
+    def write(self, record: Record) -> None:
+        for tag, value in record.scalars.items():
+            self.writer.add_scalar(tag, value, record.step)
+        for tag, values in record.profiles.items():
+            _depth_histogram(self.writer, tag, values, record.step)
+        for tag, text in record.texts.items():
+            self.writer.add_text(tag, text, record.step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.flush()
+        if self.close_writer:
+            self.writer.close()
+
+
+def _depth_histogram(writer: Any, tag: str, values: list[float], step: int) -> None:
+    """A histogram whose bucket i holds block i's value: the metric against depth."""
+    finite = [v if v == v and abs(v) != float("inf") else 0.0 for v in values]
+    if not finite:
+        return
+    writer.add_histogram_raw(
+        tag,
+        min=0.0,
+        max=float(len(finite) - 1),
+        num=float(sum(finite)),
+        sum=float(sum(i * v for i, v in enumerate(finite))),
+        sum_squares=float(sum(i * i * v for i, v in enumerate(finite))),
+        bucket_limits=[i + 0.5 for i in range(len(finite))],
+        bucket_counts=finite,
+        global_step=step,
+    )
+
+
+def chart_regex(prefix: str) -> str:
+    """A regex matching the tags that start with ``prefix`` and go one level deeper."""
+    return "^" + re.escape(prefix) + r"/[^/]+$"

@@ -1,0 +1,37 @@
+"""Read TensorBoard event files back the way TensorBoard itself does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+
+
+@dataclass
+class Events:
+    scalars: dict[str, list[tuple[int, float]]]
+    histograms: dict[str, list[tuple[int, list[float]]]]
+    texts: dict[str, list[int]]
+    layouts: list[layout_pb2.Layout]
+
+
+def read_events(log_dir: str) -> Events:
+    acc = event_accumulator.EventAccumulator(
+        log_dir, size_guidance={event_accumulator.SCALARS: 0, event_accumulator.HISTOGRAMS: 0}
+    )
+    acc.Reload()
+    tags = acc.Tags()
+    scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags["scalars"]}
+    histograms = {
+        t: [(e.step, list(e.histogram_value.bucket)) for e in acc.Histograms(t)]
+        for t in tags["histograms"]
+    }
+    texts = {t: [e.step for e in acc.Tensors(t)] for t in tags["tensors"] if "text" in t}
+    layouts = []
+    for content in acc.PluginTagToContent("custom_scalars").values():
+        layouts.append(layout_pb2.Layout.FromString(content))
+    # a layout is stored as a tensor summary; count how many were written
+    raw = [e for t in tags["tensors"] if t == "custom_scalars__config__" for e in acc.Tensors(t)]
+    layouts = [layout_pb2.Layout.FromString(e.tensor_proto.string_val[0]) for e in raw] or layouts
+    return Events(scalars, histograms, texts, layouts)

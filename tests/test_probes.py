@@ -1,0 +1,118 @@
+"""The statistics themselves, against numbers worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from normprobe import probes
+
+
+def test_rms_and_slope() -> None:
+    assert float(probes.rms(torch.full((2, 4), 3.0))) == pytest.approx(3.0)
+    assert float(probes.rms(torch.tensor([3.0, 4.0]))) == pytest.approx(math.sqrt(12.5))
+    assert probes.rms(torch.ones(3, dtype=torch.bfloat16)).dtype == torch.float32
+    # sqrt(l) growth has slope 1/2 in log-log; a flat profile 0; linear growth 1
+    assert probes.loglog_slope([math.sqrt(i + 1) for i in range(12)]) == pytest.approx(0.5)
+    assert probes.loglog_slope([2.0] * 5) == pytest.approx(0.0)
+    assert probes.loglog_slope([float(i + 1) for i in range(7)]) == pytest.approx(1.0)
+    assert math.isnan(probes.loglog_slope([1.0]))
+
+
+def test_mean_cosine() -> None:
+    a = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    b = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    assert float(probes.mean_cosine(a, b)) == pytest.approx(0.5)  # (1 + 0) / 2
+    images = torch.randn(2, 8, 3, 3)
+    assert float(probes.mean_cosine(images, 2 * images)) == pytest.approx(1.0)
+
+
+def test_grad_norms_group_by_block() -> None:
+    p1, p2, p3 = (nn.Parameter(torch.zeros(2)) for _ in range(3))
+    p1.grad = torch.tensor([3.0, 4.0])
+    p2.grad = torch.tensor([0.0, 12.0])
+    # block 0 holds p1 and p2: sqrt(9 + 16 + 144) = 13; block 1 has no gradient yet
+    norms = probes.grad_norms([[p1, p2], [p3]])
+    assert norms.tolist() == pytest.approx([13.0, 0.0])
+
+
+def test_update_ratio() -> None:
+    before = [[torch.tensor([3.0, 4.0])]]
+    after = [[torch.tensor([3.0, 4.5])]]
+    assert probes.update_ratios(before, after).tolist() == pytest.approx([0.5 / 5.0])
+
+
+def test_logit_stats() -> None:
+    logits = torch.tensor([[0.0, 0.0], [math.log(3.0), -2.0]])
+    max_abs, rms, z = probes.logit_stats(logits).tolist()
+    assert max_abs == pytest.approx(2.0)
+    assert rms == pytest.approx(math.sqrt((math.log(3.0) ** 2 + 4.0) / 4))
+    # mean of log(e^0 + e^0) and log(3 + e^-2)
+    assert z == pytest.approx((math.log(2.0) + math.log(3.0 + math.exp(-2.0))) / 2)
+
+
+def test_sdpa_logit_max_matches_materialized_logits() -> None:
+    q, k = torch.randn(2, 4, 10, 8), torch.randn(2, 4, 10, 8)
+    full = q @ k.transpose(-1, -2) / math.sqrt(8)
+    causal = torch.ones(10, 10, dtype=torch.bool).tril()
+    expected = full.masked_fill(~causal, 0).abs().amax()
+    assert float(probes.sdpa_logit_max(q, k, is_causal=True)) == pytest.approx(float(expected))
+    # chunked over query rows, explicit scale, boolean mask
+    got = probes.sdpa_logit_max(q, k, attn_mask=causal, scale=0.5, chunk_elements=64)
+    assert float(got) == pytest.approx(
+        float((q @ k.transpose(-1, -2) * 0.5)[..., causal].abs().max())
+    )
+    # grouped-query attention: 2 key heads serve 4 query heads
+    k2 = torch.randn(2, 2, 10, 8)
+    expanded = k2.repeat_interleave(2, dim=1)
+    want = (q @ expanded.transpose(-1, -2) / math.sqrt(8)).abs().amax()
+    assert float(probes.sdpa_logit_max(q, k2)) == pytest.approx(float(want))
+
+
+def test_masked_abs_max_skips_masked_entries() -> None:
+    scores = torch.tensor([[1.5, -torch.inf], [-2.5, torch.finfo(torch.float32).min]])
+    assert float(probes.masked_abs_max(scores)) == 2.5
+
+
+def test_batchnorm_stats_by_hand() -> None:
+    # One channel, batch values 1 and 3: batch mean 2, variance 1. Running mean 0, variance 4.
+    x = torch.tensor([[1.0], [3.0]])
+    mean_drift, var_drift, gap = probes.batchnorm_stats(
+        x, torch.zeros(1), torch.full((1,), 4.0), None, None, eps=1e-12
+    ).tolist()
+    assert mean_drift == pytest.approx(2 / 2)  # |2 - 0| / sqrt(4)
+    assert var_drift == pytest.approx(math.log(4.0))  # |log(1 / 4)|
+    # train: (x - 2) / 1 = [-1, 1]; eval: x / 2 = [0.5, 1.5]; difference [-1.5, -0.5]
+    assert gap == pytest.approx(math.sqrt((2.25 + 0.25) / 2) / 1.0)
+
+
+def test_batchnorm_train_eval_gap_matches_the_module() -> None:
+    # The tutorial's check [c]: after a few batches the running statistics differ from the
+    # batch's, so train-mode and eval-mode outputs differ on the same batch.
+    bn = nn.BatchNorm1d(16)
+    x = torch.randn(64, 16) * 3 + 7
+    for _ in range(3):
+        bn(x)
+    with torch.no_grad():
+        y_train = F.batch_norm(x, None, None, bn.weight, bn.bias, training=True, eps=bn.eps)
+        y_eval = bn.eval()(x)
+    want = float((y_train - y_eval).pow(2).mean().sqrt() / y_train.pow(2).mean().sqrt())
+    got = probes.batchnorm_stats(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
+    assert float(got[2]) == pytest.approx(want, rel=1e-5)
+    assert want > 0.5
+
+
+def test_gain_stats() -> None:
+    w = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert probes.gain_stats(w).tolist() == pytest.approx([2.5, math.sqrt(1.25)])
+    assert probes.gain_stats(torch.zeros(3), offset=1.0).tolist() == [1.0, 0.0]  # Gemma at init
+
+
+def test_all_finite() -> None:
+    assert bool(probes.all_finite(torch.ones(3)))
+    assert not bool(probes.all_finite(torch.tensor([1.0, float("nan")])))
+    assert not bool(probes.all_finite(torch.tensor([float("inf")])))

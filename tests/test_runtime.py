@@ -1,0 +1,459 @@
+"""`normprobe.attach` on real training loops: values, schedule, event files and clean-up."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import math
+import pickle
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import zoo
+from conftest import hook_count
+from tb import read_events
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import normprobe
+from normprobe.models import ResidualStack, TinyTransformer
+
+
+def seed_grad_ratio(pre_ln: bool, tmp_path: Path) -> float:
+    """The tutorial's check [d] through the probe: one forward/backward of the 48-block stack."""
+    torch.manual_seed(0)
+    stack = ResidualStack(48, 64, pre_ln=pre_ln)
+    with normprobe.attach(stack, log_dir=str(tmp_path), metrics=["grad_norm"]) as probe:
+        stack(torch.randn(16, 64)).pow(2).mean().backward()
+        probe.step()
+    assert probe.latest is not None
+    return probe.latest.scalars["normprobe/grad_ratio/lins"]
+
+
+def test_grad_ratio_reproduces_the_tutorial(tmp_path: Path) -> None:
+    # Reported there: Pre-LN 0.40 (bottom-heavy), Post-LN 2.35 (top-heavy).
+    assert round(seed_grad_ratio(True, tmp_path / "pre"), 2) == 0.40
+    assert round(seed_grad_ratio(False, tmp_path / "post"), 2) == 2.35
+
+
+class OrthogonalWrites(nn.Module):
+    """Each block adds a fixed unit-RMS vector orthogonal to all others: RMS after block l is
+    exactly sqrt(l + 1) when the input is zero."""
+
+    def __init__(self, depth: int = 16, width: int = 64) -> None:
+        super().__init__()
+        basis = torch.linalg.qr(torch.randn(width, width))[0] * math.sqrt(width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        with torch.no_grad():
+            for block, row in zip(self.blocks, basis, strict=False):
+                block.weight.zero_()
+                block.bias.copy_(row)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_residual_growth_and_slope(tmp_path: Path) -> None:
+    model = OrthogonalWrites()
+    with normprobe.attach(model, log_dir=str(tmp_path), metrics=["resid_rms"]) as probe:
+        model(torch.zeros(4, 64))
+        probe.step()
+    assert probe.latest is not None
+    s = probe.latest.scalars
+    for block in range(16):
+        assert s[f"normprobe/resid_rms/blocks/{block:02d}"] == pytest.approx(math.sqrt(block + 1))
+    assert s["normprobe/resid_growth/blocks"] == pytest.approx(4.0)  # sqrt(16) / sqrt(1)
+    assert s["normprobe/resid_slope/blocks"] == pytest.approx(0.5, abs=1e-5)
+
+
+def test_stream_norm_and_cosine_values_match_a_manual_forward(tmp_path: Path) -> None:
+    model = ResidualStack(6, 32, pre_ln=True)
+    x = torch.randn(8, 32)
+    metrics = ["resid_rms", "resid_cos", "norm_rms"]
+    with normprobe.attach(model, log_dir=str(tmp_path), metrics=metrics) as probe:
+        model(x)
+        probe.step()
+    assert probe.latest is not None
+    s = probe.latest.scalars
+    h, streams = x, []
+    with torch.no_grad():
+        for i, (ln, lin) in enumerate(zip(model.lns, model.lins, strict=True)):
+            assert s[f"normprobe/norm_in_rms/lns.{i}"] == pytest.approx(
+                float(h.pow(2).mean().sqrt())
+            )
+            assert s[f"normprobe/norm_out_rms/lns.{i}"] == pytest.approx(
+                float(ln(h).pow(2).mean().sqrt()), rel=1e-5
+            )
+            h = h + lin(ln(h))
+            streams.append(h)
+    for i, h in enumerate(streams):
+        assert s[f"normprobe/resid_rms/lins/{i}"] == pytest.approx(float(h.pow(2).mean().sqrt()))
+    for i in range(1, 6):
+        cos = F.cosine_similarity(streams[i - 1], streams[i], dim=-1).mean()
+        assert s[f"normprobe/resid_cos/lins/{i}"] == pytest.approx(float(cos), rel=1e-5)
+
+
+def test_post_ln_stream_is_read_after_the_norm(tmp_path: Path) -> None:
+    model = ResidualStack(4, 32, pre_ln=False)
+    x = torch.randn(8, 32)
+    with normprobe.attach(model, log_dir=str(tmp_path), metrics=["resid_rms"]) as probe:
+        model(x)
+        probe.step()
+    h = x
+    with torch.no_grad():
+        for i, (ln, lin) in enumerate(zip(model.lns, model.lins, strict=True)):
+            h = ln(h + lin(h))
+            got = probe.latest.scalars[f"normprobe/resid_rms/lins/{i}"]  # type: ignore[union-attr]
+            assert got == pytest.approx(float(h.pow(2).mean().sqrt()), rel=1e-5)
+
+
+def test_update_ratio_and_gain_with_sgd(tmp_path: Path) -> None:
+    model = ResidualStack(3, 8)
+    with torch.no_grad():
+        model.lns[1].weight.copy_(torch.tensor([1.0, 2, 3, 4, 1, 2, 3, 4]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    metrics = ["update_ratio", "norm_gain", "grad_norm"]
+    with normprobe.attach(model, opt, log_dir=str(tmp_path), metrics=metrics) as probe:
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        before = [torch.cat([p.detach().flatten() for p in m.parameters()]) for m in model.lins]
+        grads = [torch.cat([p.grad.flatten() for p in m.parameters()]) for m in model.lins]
+        opt.step()
+    s = probe.latest.scalars  # type: ignore[union-attr]
+    for i in range(3):
+        # plain SGD moves each parameter by lr * grad
+        want = 0.1 * float(grads[i].norm()) / float(before[i].norm())
+        assert s[f"normprobe/update_ratio/lins/{i}"] == pytest.approx(want, rel=1e-4)
+        assert s[f"normprobe/grad_norm/lins/{i}"] == pytest.approx(float(grads[i].norm()))
+    assert s["normprobe/norm_gain_mean/lns.1"] == pytest.approx(2.5)
+    assert s["normprobe/norm_gain_std/lns.1"] == pytest.approx(math.sqrt(1.25))
+
+
+def test_logits_and_attention_logits_of_hf_gpt2(tmp_path: Path) -> None:
+    z = zoo.build("gpt2")
+    model = z.model.train()
+    captured: dict[str, torch.Tensor] = {}
+
+    def grab(mod: nn.Module, args: Any, out: Any) -> None:
+        captured["logits"] = out.detach()
+
+    # the expected attention logits, from q and k the way GPT-2 computes them
+    def qk(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
+        q, k, _ = out.detach().split(64, dim=-1)
+        q = q.view(2, 16, 4, 16).transpose(1, 2)
+        k = k.view(2, 16, 4, 16).transpose(1, 2)
+        s = (q @ k.transpose(-1, -2)) / 4.0
+        causal = torch.ones(16, 16, dtype=torch.bool).tril()
+        captured.setdefault("attn", s[..., causal].abs().max())
+
+    h1 = model.lm_head.register_forward_hook(grab)
+    h2 = model.transformer.h[0].attn.c_attn.register_forward_hook(qk)
+    metrics = ["logits", "attn_logits"]
+    with normprobe.attach(model, log_dir=str(tmp_path), metrics=metrics) as probe:
+        model(*z.args, **z.kwargs).logits.sum().backward()
+        probe.step()
+    h1.remove()
+    h2.remove()
+    s = probe.latest.scalars  # type: ignore[union-attr]
+    logits = captured["logits"]
+    assert s["normprobe/logits/max_abs"] == pytest.approx(float(logits.abs().max()))
+    assert s["normprobe/logits/rms"] == pytest.approx(float(logits.pow(2).mean().sqrt()))
+    assert s["normprobe/logits/z"] == pytest.approx(float(logits.logsumexp(-1).mean()), rel=1e-5)
+    attn = s["normprobe/attn_logit_max/transformer.h/0.attn"]
+    assert attn == pytest.approx(float(captured["attn"]), rel=1e-4)
+    assert len([t for t in s if t.startswith("normprobe/attn_logit_max/")]) == 4
+
+
+def test_eager_attention_logits_skip_the_mask(tmp_path: Path) -> None:
+    z = zoo.build("gpt2_eager")
+    with normprobe.attach(z.model, log_dir=str(tmp_path), metrics=["attn_logits"]) as probe:
+        with torch.no_grad():
+            z.model(*z.args, **z.kwargs)
+        probe.step()
+    values = [v for t, v in probe.latest.scalars.items() if "attn_logit_max" in t]  # type: ignore[union-attr]
+    assert len(values) == 4 and all(0 < v < 100 for v in values)
+
+
+def test_batchnorm_drift_and_train_eval_gap(tmp_path: Path) -> None:
+    # The tutorial's check [c]: running statistics lag the batch, so train != eval.
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 8) * 4 + 3
+    with normprobe.attach(model, opt, log_dir=str(tmp_path), every=1, metrics=["bn_stats"]) as p:
+        for _ in range(3):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    bn = model[1]
+    s = p.latest.scalars  # type: ignore[union-attr]
+    # the last logged forward saw running statistics updated by the two steps before it
+    assert s["normprobe/bn_gap/1"] > 0.1
+    assert s["normprobe/bn_mean_drift/1"] > 0.1 and s["normprobe/bn_var_drift/1"] > 0.1
+    assert float(bn.running_mean.abs().mean()) > 0.1
+
+
+def test_schedule_event_files_layout_and_depth_view(tmp_path: Path) -> None:
+    model = TinyTransformer(depth=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with normprobe.attach(model, opt, log_dir=str(tmp_path), every=3):
+        for _ in range(7):
+            x = torch.randint(0, 96, (4, 32))
+            model.loss(x, x).backward()
+            opt.step()
+            opt.zero_grad()
+    events = read_events(str(tmp_path))
+    assert [step for step, _ in events.scalars["normprobe/grad_ratio/blocks"]] == [0, 3, 6]
+    assert [step for step, _ in events.scalars["normprobe/resid_rms/blocks/0"]] == [0, 3, 6]
+    families = {tag.split("/")[1] for tag in events.scalars}
+    assert families == {
+        "resid_rms", "resid_growth", "resid_slope", "resid_cos", "norm_in_rms", "norm_out_rms",
+        "norm_gain_mean", "norm_gain_std", "grad_norm", "grad_ratio", "update_ratio", "logits",
+        "attn_logit_max", "nonfinite",
+    }  # fmt: skip
+    # depth view: one histogram per metric and stack, one bucket per block
+    steps, buckets = zip(*events.histograms["normprobe/resid_rms/blocks"], strict=True)
+    assert steps == (0, 3, 6) and all(len(b) == 3 for b in buckets)
+    assert len(events.layouts) == 1
+    titles = {
+        (category.title, chart.title) for category in events.layouts[0].category
+        for chart in category.chart
+    }  # fmt: skip
+    assert ("normprobe resid_rms", "blocks") in titles
+    assert ("normprobe norm_out_rms", "blocks ln_1") in titles
+
+
+def test_every_block_gets_a_tag_up_to_the_cap(tmp_path: Path) -> None:
+    model = ResidualStack(40, 8)
+    with normprobe.attach(
+        model, log_dir=str(tmp_path), metrics=["resid_rms"], max_block_tags=8
+    ) as p:
+        model(torch.randn(2, 8))
+        p.step()
+    record = p.latest
+    assert record is not None
+    blocks = sorted(int(t.rsplit("/", 1)[1]) for t in record.scalars if "resid_rms/lins/" in t)
+    assert blocks[0] == 0 and blocks[-1] == 39 and len(blocks) == 8
+    assert len(record.profiles["normprobe/resid_rms/lins"]) == 40
+
+
+class CountSyncs(TorchFunctionMode):
+    """Counts the calls that copy device values to the host."""
+
+    SYNCS = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in self.SYNCS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_host_transfer_per_logged_step_and_none_otherwise(tmp_path: Path) -> None:
+    model = TinyTransformer(depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 96, (2, 16))
+    per_step = []
+    with normprobe.attach(model, opt, log_dir=str(tmp_path), every=3, example_inputs=(x,)):
+        for _ in range(6):
+            with CountSyncs() as counter:
+                model.loss(x, x).backward()
+                opt.step()
+                opt.zero_grad()
+            per_step.append(counter.count)
+    assert per_step == [1, 0, 0, 1, 0, 0]
+
+
+def test_no_activation_is_kept_on_unlogged_steps(tmp_path: Path) -> None:
+    model = TinyTransformer(depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    outputs: list[weakref.ref[torch.Tensor]] = []
+    handles = [
+        b.register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+        for b in model.blocks
+    ]
+    with normprobe.attach(model, opt, log_dir=str(tmp_path), every=2) as probe:
+        for _ in range(2):
+            outputs.clear()
+            x = torch.randint(0, 96, (2, 16))
+            model.loss(x, x).backward()
+            opt.step()
+            opt.zero_grad()
+            gc.collect()
+            assert outputs and all(ref() is None for ref in outputs)
+            assert not probe._pending and not probe._prev_stream and not probe._before_step
+    for h in handles:
+        h.remove()
+
+
+def test_nonfinite_names_the_first_module_and_warns_once(tmp_path: Path) -> None:
+    model = ResidualStack(4, 8)
+    with torch.no_grad():
+        model.lins[2].weight[0, 0] = float("nan")
+    with normprobe.attach(model, log_dir=str(tmp_path), every=1, metrics=["nonfinite"]) as probe:
+        with pytest.warns(
+            RuntimeWarning, match=r"first appeared in the output of lins\.2 at step 0"
+        ):
+            model(torch.randn(2, 8))
+            probe.step()
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a second warning would raise here
+            model(torch.randn(2, 8))
+            probe.step()
+    record = probe.latest
+    assert record is not None and record.texts == {"normprobe/nonfinite/first": "lins.2"}
+    # lins.2, then everything downstream: lns.3, lins.3, head and the root
+    assert record.scalars["normprobe/nonfinite/modules"] == 5
+    assert read_events(str(tmp_path)).texts == {"normprobe/nonfinite/first/text_summary": [0, 1]}
+
+
+def test_residual_read_from_inside_a_forward(tmp_path: Path) -> None:
+    # The sum is clamped before any module sees it: read by counting adds inside the block.
+    class Clamped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x + self.fc(self.norm(x))).clamp(-100, 100) * 1.0
+
+    model = nn.Sequential(Clamped(), Clamped())
+    x = torch.randn(3, 8)
+    with normprobe.attach(model, log_dir=str(tmp_path), metrics=["resid_rms"]) as probe:
+        model(x)
+        probe.step()
+    assert probe.model_map is not None
+    assert [a.anchor.hook for a in probe.model_map.residual_adds] == ["inside", "inside"]  # type: ignore[union-attr]
+    with torch.no_grad():
+        first = x + model[0].fc(model[0].norm(x))
+    got = probe.latest.scalars["normprobe/resid_rms/root/0"]  # type: ignore[union-attr]
+    assert got == pytest.approx(float(first.pow(2).mean().sqrt()))
+
+
+def test_model_without_norms_logs_what_applies_and_warns_once(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.warns(normprobe.DiscoveryWarning) as record:
+        probe = normprobe.attach(model, log_dir=str(tmp_path), every=1)
+        model(torch.randn(3, 4)).sum().backward()
+        probe.step()
+    probe.remove()
+    assert len(record) == 1
+    assert "no residual adds" in str(record[0].message) and "no norm layers" in str(
+        record[0].message
+    )
+    assert probe.latest is not None and "normprobe/logits/max_abs" in probe.latest.scalars
+
+
+def test_bad_input() -> None:
+    model = TinyTransformer(depth=1)
+    with pytest.raises(ValueError, match=r"unknown metric\(s\) \['grad_norms'\]; choose from"):
+        normprobe.attach(model, metrics=["grad_norms"])
+    with pytest.raises(ValueError, match="`every` must be a positive integer"):
+        normprobe.attach(model, every=0)
+    with pytest.raises(TypeError, match=r"needs a torch\.nn\.Module"):
+        normprobe.attach("model")  # type: ignore[arg-type]
+    assert hook_count(model) == 0
+
+
+def test_attach_twice_is_refused_until_removed(tmp_path: Path) -> None:
+    model = TinyTransformer(depth=1)
+    probe = normprobe.attach(model, log_dir=str(tmp_path / "a"))
+    with pytest.raises(RuntimeError, match="already attached"):
+        normprobe.attach(model, log_dir=str(tmp_path / "b"))
+    probe.remove()
+    probe.remove()  # idempotent
+    normprobe.attach(model, log_dir=str(tmp_path / "c")).remove()
+    assert hook_count(model) == 0
+
+
+class Flaky(nn.Module):
+    """A stack whose forward, or backward, raises when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = ResidualStack(3, 8)
+        self.fail = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(x)
+        if self.fail == "forward":
+            raise RuntimeError("forward failed")
+        if self.fail == "backward":
+            out.register_hook(_raise_backward)
+        return out
+
+
+def _raise_backward(grad: torch.Tensor) -> None:
+    raise RuntimeError("backward failed")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_exception_in_training_leaves_no_hook_and_a_flushed_file(
+    tmp_path: Path, where: str
+) -> None:
+    model = Flaky()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with (
+        pytest.raises(RuntimeError, match=f"{where} failed"),
+        normprobe.attach(model, opt, log_dir=str(tmp_path), every=1),
+    ):
+        for step in range(3):
+            model.fail = where if step == 2 else ""
+            model(torch.randn(2, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert hook_count(model) == 0
+    steps = [s for s, _ in read_events(str(tmp_path)).scalars["normprobe/grad_ratio/body.lins"]]
+    assert steps == [0, 1]
+
+
+def test_state_dict_survives_and_copies_carry_no_probe(tmp_path: Path) -> None:
+    model = TinyTransformer(depth=2)
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randint(0, 96, (2, 16))
+    probe = normprobe.attach(model, log_dir=str(tmp_path), example_inputs=(x,))
+    model(x)
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    clones: list[Callable[[nn.Module], nn.Module]] = [
+        copy.deepcopy,
+        lambda m: pickle.loads(pickle.dumps(m)),
+        lambda m: torch.load(_saved(m), weights_only=False),
+    ]
+    for clone in clones:
+        twin = clone(model)
+        assert torch.equal(twin(x), model(x))
+        assert normprobe.attach(twin, log_dir=str(tmp_path / "twin")).remove() is None
+    probe.remove()
+
+
+def _saved(model: nn.Module) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_existing_summary_writer_stays_open(tmp_path: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path))
+    model = ResidualStack(2, 8)
+    with normprobe.attach(model, writer=writer, metrics=["resid_rms"]) as probe:
+        model(torch.randn(2, 8))
+        probe.step()
+    writer.add_scalar("mine", 1.0, 0)
+    writer.close()
+    assert {"mine", "normprobe/resid_rms/lins/0"} <= set(read_events(str(tmp_path)).scalars)
