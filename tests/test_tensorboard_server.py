@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +27,21 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def tensorboard(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """A TensorBoard serving ``tmp_path`` on 127.0.0.1; yields its address and the log dir."""
-    port = _free_port()
-    logs = tmp_path / "runs"
-    logs.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(logs), "--host", "127.0.0.1",
-         "--port", str(port), "--reload_interval", "1"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        yield url, logs
-    finally:
+def serve() -> Iterator[Callable[[Path], str]]:
+    """Start a TensorBoard on 127.0.0.1 over a finished log dir; returns its address."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(logs: Path) -> str:
+        port = _free_port()
+        command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logs)]
+        command += ["--host", "127.0.0.1", "--port", str(port)]
+        procs.append(
+            subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for proc in procs:
         proc.terminate()
         proc.wait(timeout=30)
 
@@ -58,22 +58,24 @@ def _get(url: str, timeout: float = 60.0) -> Any:
             time.sleep(0.5)
 
 
-def test_server_lists_tags_layout_and_depth_histograms(tensorboard: tuple[str, Path]) -> None:
-    url, logs = tensorboard
+def test_server_lists_tags_layout_and_depth_histograms(
+    serve: Callable[[Path], str], tmp_path: Path
+) -> None:
     model = TinyTransformer(depth=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with normprobe.attach(model, opt, log_dir=str(logs / "pre_ln"), every=2):
+    with normprobe.attach(model, opt, log_dir=str(tmp_path / "pre_ln"), every=2):
         for _ in range(4):
             x = torch.randint(0, 96, (4, 32))
             model.loss(x, x).backward()
             opt.step()
             opt.zero_grad()
+    url = serve(tmp_path)
     deadline = time.monotonic() + 60
-    while True:  # the server picks up new event files on its reload interval
+    while True:  # the server loads the event files in the background after it starts
         scalars = _get(f"{url}/data/plugin/scalars/tags")
         if "pre_ln" in scalars or time.monotonic() > deadline:
             break
-        time.sleep(1)
+        time.sleep(0.5)
     tags = scalars["pre_ln"]
     assert "normprobe/grad_ratio/blocks" in tags and "normprobe/resid_rms/blocks/0" in tags
     series = _get(f"{url}/data/plugin/scalars/scalars?run=pre_ln&tag=normprobe/grad_ratio/blocks")
