@@ -57,19 +57,54 @@ def grad_norms(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     return torch.stack(per_group).sqrt()
 
 
+def sample_stride(shape: Sequence[int], budget: int) -> int:
+    """Stride for an evenly spread sample of at most ``budget`` entries of a tensor.
+
+    1 (every entry) when the tensor fits; otherwise a prime that does not divide the last
+    dimension, so that the sample walks through all columns instead of repeating a few.
+    """
+    numel = math.prod(shape)
+    if numel <= budget:
+        return 1
+    stride = max(2, math.ceil(numel / budget))
+    last = shape[-1] if shape else 1
+    while not _is_prime(stride) or last % stride == 0:
+        stride += 1
+    return stride
+
+
+def _is_prime(n: int) -> bool:
+    return n >= 2 and all(n % d for d in range(2, math.isqrt(n) + 1))
+
+
+def strided_sample(t: torch.Tensor, stride: int) -> torch.Tensor:
+    """Every ``stride``-th entry of ``t`` (flattened), as a new tensor."""
+    return t.detach().reshape(-1)[::stride].clone()
+
+
 def update_ratios(
-    before: Sequence[Sequence[torch.Tensor]], after: Sequence[Sequence[torch.Tensor]]
+    before: Sequence[Sequence[tuple[torch.Tensor, int, torch.Tensor]]],
 ) -> torch.Tensor:
-    """||after - before|| / ||before|| per group of tensors (parameters across a step)."""
+    """||new - old|| / ||old|| per group of parameters across an optimizer step.
+
+    Args:
+        before: per group, ``(parameter, stride, sample taken before the step)`` for each of its
+            parameters; squared sums of a strided sample are scaled by the stride, so a sample
+            estimates the whole tensor (exact with stride 1).
+
+    Returns:
+        A float32 vector, one ratio per group.
+    """
     ratios = []
-    for old, new in zip(before, after, strict=True):
-        delta = torch._foreach_norm([n.detach() - o for o, n in zip(old, new, strict=True)])
-        size = torch._foreach_norm(list(old))
-        device = old[0].device
-        d2 = torch.stack([v.to(device) for v in delta]).float().pow(2).sum()
-        s2 = torch.stack([v.to(device) for v in size]).float().pow(2).sum()
-        ratios.append((d2.sqrt() / s2.sqrt().clamp_min(1e-30)).to(before[0][0].device))
-    return torch.stack(ratios)
+    for group in before:
+        delta = torch._foreach_norm([strided_sample(p, s) - old for p, s, old in group])
+        size = torch._foreach_norm([old for _, _, old in group])
+        weights = [float(s) for _, s, _ in group]
+        device = group[0][2].device
+        d2 = sum(w * v.to(device).float().pow(2) for w, v in zip(weights, delta, strict=True))
+        s2 = sum(w * v.to(device).float().pow(2) for w, v in zip(weights, size, strict=True))
+        ratios.append(torch.as_tensor(d2).sqrt() / torch.as_tensor(s2).sqrt().clamp_min(1e-30))
+    return torch.stack([r.to(ratios[0].device) for r in ratios])
 
 
 def logit_stats(logits: torch.Tensor) -> torch.Tensor:

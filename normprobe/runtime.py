@@ -12,6 +12,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,7 +37,9 @@ METRICS: dict[str, str] = {
     "grad_norm": "L2 norm of each block's parameter gradients just before the optimizer step "
     "(after accumulation and AMP unscaling); per stack also the top/bottom ratio "
     "(last block / first block)",
-    "update_ratio": "||new - old|| / ||old|| of each block's parameters across the optimizer step",
+    "update_ratio": "||new - old|| / ||old|| of each block's parameters across the optimizer "
+    "step (exact up to 4096 entries per tensor; beyond, from an evenly strided sample of 0.5% "
+    "of the entries, so the copy it needs stays small)",
     "logits": "the output head's logits: max |logit|, RMS and mean log-sum-exp (z)",
     "attn_logits": "per attention module, max |q.k| * scale over unmasked positions, computed "
     "from q and k when attention is fused (scaled_dot_product_attention)",
@@ -46,6 +49,12 @@ METRICS: dict[str, str] = {
     "execution order (warned once)",
 }
 PREFIX = "normprobe"
+UPDATE_SAMPLE_FRACTION = 0.005
+UPDATE_SAMPLE_MIN = 4096
+
+
+def _sample_budget(numel: int) -> int:
+    return max(UPDATE_SAMPLE_MIN, int(numel * UPDATE_SAMPLE_FRACTION))
 
 
 def _check_metrics(metrics: Iterable[str] | None) -> tuple[str, ...]:
@@ -172,7 +181,10 @@ class Probe:
     """Hooks on one model that log normalization, residual and gradient statistics.
 
     Create it with `attach`. Steps advance with the optimizer's step (or `step` without an
-    optimizer); every ``every``-th step, starting with the first, is logged.
+    optimizer); every ``every``-th step, starting with the first, is logged. Between logged
+    steps only the root module carries a hook; the reading hooks are registered when a logged
+    forward starts and removed when it ends. With ``persistent_hooks`` they stay registered
+    and return at once on other steps (what a compiled model needs: no hook added later).
     """
 
     def __init__(
@@ -185,6 +197,7 @@ class Probe:
         metrics: Iterable[str] | None = None,
         max_block_tags: int = 64,
         start_step: int = 0,
+        persistent_hooks: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__qualname__}")
@@ -214,11 +227,14 @@ class Probe:
         self._calls: dict[str, int] = {}
         self._modes: dict[str, list[TorchFunctionMode]] = {}
         self._prev_stream: dict[str, tuple[int, torch.Tensor]] = {}
-        self._before_step: dict[str, list[list[torch.Tensor]]] = {}
+        self._before_step: dict[str, list[list[tuple[torch.Tensor, int, torch.Tensor]]]] = {}
         self._layout_written = False
         self._warned_nonfinite = False
         self._removed = False
         self._tags: dict[str, str] = {}
+        self.persistent_hooks = persistent_hooks
+        self._plan: list[Callable[[], RemovableHandle]] = []
+        self._armed: list[RemovableHandle] = []
         self._handles.append(model.register_forward_pre_hook(_Hook(self._root_pre)))
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(_Hook(self._before_optimizer)))
@@ -252,6 +268,15 @@ class Probe:
         self._block_params = {
             s.path: [list(modules[b].parameters()) for b in s.blocks] for s in model_map.stacks
         }
+        # update ratios compare parameters across the step: keep a copy of at most
+        # UPDATE_SAMPLE_FRACTION of each (and at least UPDATE_SAMPLE_MIN entries) per block
+        self._sampled_params = {
+            s: [
+                [(p, probes.sample_stride(p.shape, _sample_budget(p.numel()))) for p in params]
+                for params in blocks
+            ]
+            for s, blocks in self._block_params.items()
+        }
         self._streamed = {s.path: s for s in model_map.stacks if model_map.adds_in(s.path)}
         sites: dict[str, _Sites] = {}
 
@@ -274,15 +299,20 @@ class Probe:
                 m = modules[n.path]
                 if isinstance(m, _BatchNorm) and m.running_mean is not None:
                     at(n.path).batchnorm = self._batchnorm_reader(n.path, m)
-        for path, site in sites.items():
-            self._register(path, modules[path], site)
+        plan = [
+            thunk
+            for path, site in sites.items()
+            for thunk in self._hooks(modules[path], site, path)
+        ]
         if "nonfinite" in self.metrics:
             for path, m in self.model.named_modules():
-                self._handles.append(m.register_forward_hook(_Hook(self._finite_reader(path))))
-        # registered last, so that it runs after every read of the root's own output
-        self._handles.append(
-            self.model.register_forward_hook(_Hook(self._root_post), always_call=True)
-        )
+                plan.append(partial(m.register_forward_hook, _Hook(self._finite_reader(path))))
+        # last, so that it runs after every read of the root's own output
+        root_post = _Hook(self._root_post)
+        plan.append(partial(self.model.register_forward_hook, root_post, always_call=True))
+        self._plan = plan
+        if self.persistent_hooks:
+            self._arm()
         self._warn_missing(model_map)
 
     def _plan_streams(self, model_map: ModelMap, at: Callable[[str], _Sites]) -> None:
@@ -303,7 +333,11 @@ class Probe:
                     site = at(add.anchor.module)
                     (site.pre if add.anchor.hook == "pre" else site.post).append(read)
 
-    def _register(self, path: str, module: nn.Module, site: _Sites) -> None:
+    def _hooks(
+        self, module: nn.Module, site: _Sites, path: str
+    ) -> list[Callable[[], RemovableHandle]]:
+        """The registrations that read ``site`` on ``module`` (run when the probe arms)."""
+
         def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not self._recording:
                 return
@@ -335,10 +369,10 @@ class Probe:
                 if read.call == call:
                     self._read(read, out)
 
-        self._handles.append(module.register_forward_pre_hook(_Hook(pre), with_kwargs=True))
-        self._handles.append(
-            module.register_forward_hook(_Hook(post), with_kwargs=True, always_call=True)
-        )
+        return [
+            partial(module.register_forward_pre_hook, _Hook(pre), with_kwargs=True),
+            partial(module.register_forward_hook, _Hook(post), with_kwargs=True, always_call=True),
+        ]
 
     @staticmethod
     def _read(read: _Read, container: Any) -> None:
@@ -408,16 +442,29 @@ class Probe:
         self._begin_forward()
 
     def _begin_forward(self) -> None:
-        self._recording = self._logged and not self._removed
+        self._recording = self._logged and not self._removed and self.model_map is not None
         if self._recording:
             self._calls.clear()
             self._prev_stream.clear()
             self._finite.clear()
+            self._arm()
 
     def _root_post(self, *_: Any) -> None:
         self._recording = False
         self._prev_stream.clear()
         self._exit_modes()
+        if not self.persistent_hooks:
+            self._disarm()
+
+    def _arm(self) -> None:
+        """Register the reading hooks (once; a no-op while armed)."""
+        if not self._armed:
+            self._armed = [register() for register in self._plan]
+
+    def _disarm(self) -> None:
+        for handle in self._armed:
+            handle.remove()
+        self._armed = []
 
     def _before_optimizer(self, *_: Any) -> None:
         if not self._logged or self.model_map is None:
@@ -425,16 +472,14 @@ class Probe:
         self._record_parameters()
         if "update_ratio" in self.metrics:
             self._before_step = {
-                s: [[p.detach().clone() for p in params] for params in blocks]
-                for s, blocks in self._block_params.items()
+                s: [[(p, k, probes.strided_sample(p, k)) for p, k in params] for params in blocks]
+                for s, blocks in self._sampled_params.items()
             }
 
     def _after_optimizer(self, *_: Any) -> None:
         if self._logged and self.model_map is not None:
             for s, before in self._before_step.items():
-                self._pending[("update_ratio", s)] = probes.update_ratios(
-                    before, self._block_params[s]
-                )
+                self._pending[("update_ratio", s)] = probes.update_ratios(before)
             self._before_step = {}
             self.flush()
         self._advance()
@@ -637,6 +682,7 @@ class Probe:
         self._removed = True
         self._recording = False
         self._exit_modes()
+        self._disarm()
         for h in self._handles:
             h.remove()
         self._handles.clear()

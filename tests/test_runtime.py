@@ -457,3 +457,27 @@ def test_existing_summary_writer_stays_open(tmp_path: Path) -> None:
     writer.add_scalar("mine", 1.0, 0)
     writer.close()
     assert {"mine", "normprobe/resid_rms/lins/0"} <= set(read_events(str(tmp_path)).scalars)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_reading_hooks_live_only_in_logged_forwards(tmp_path: Path, persistent: bool) -> None:
+    model = ResidualStack(4, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen: list[int] = []
+    spy = model.lins[0].register_forward_pre_hook(lambda *_: seen.append(hook_count(model)))
+    probe = normprobe.Probe(model, optimizer=opt, every=2, persistent_hooks=persistent)
+    probe.discover_now(torch.randn(2, 8))
+    values = []
+    for _ in range(4):
+        model(torch.randn(2, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        values.append(probe.latest.step if probe.latest else None)
+    probe.remove()
+    spy.remove()
+    armed = seen[0]
+    assert armed > 20  # every norm, stream and non-finite site
+    # between logged steps: the spy and the probe's root hook only, unless kept registered
+    assert seen == [armed, armed if persistent else 2, armed, armed if persistent else 2]
+    assert values == [0, 0, 2, 2]
+    assert hook_count(model) == 0

@@ -1,0 +1,135 @@
+"""What the probe costs a training step, against a bare step and the hooks people write today.
+
+    python benchmarks/overhead.py [--rounds 7] [--steps 10]
+
+For each model, every variant trains its own copy of the same weights; the variants take turns
+(interleaved rounds, in one process) so that machine noise hits them alike. Prints the median
+time per step and its ratio to the bare step.
+
+Variants:
+  bare           the training step alone
+  every=50       normprobe.attach(..., every=50), all metrics
+  every=1        normprobe.attach(..., every=1), all metrics on every step
+  naive hooks    a forward hook on every module logging the output RMS with .item()
+  lightning      lightning's grad_norm() utility every step, values logged as floats
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import normprobe
+from normprobe.models import ResidualStack, TinyTransformer
+
+Step = Callable[[], None]
+
+
+def _trainer(model: nn.Module, batch: torch.Tensor, loss: Callable[[nn.Module], Any]) -> Step:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        loss(model).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step.opt = opt  # type: ignore[attr-defined]
+    return step
+
+
+def _naive_hooks(model: nn.Module) -> dict[str, float]:
+    logged: dict[str, float] = {}
+    for name, module in model.named_modules():
+
+        def hook(mod: nn.Module, args: Any, out: Any, name: str = name) -> None:
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                logged[name] = out.detach().float().pow(2).mean().sqrt().item()
+
+        module.register_forward_hook(hook)
+    return logged
+
+
+def variants(
+    make: Callable[[], nn.Module], batch: torch.Tensor, loss: Callable[[nn.Module], Any]
+) -> dict[str, Step]:
+    from lightning.pytorch.utilities import grad_norm
+
+    base = make()
+    out: dict[str, Step] = {}
+    out["bare"] = _trainer(copy.deepcopy(base), batch, loss)
+    for every in (50, 1):
+        model = copy.deepcopy(base)
+        step = _trainer(model, batch, loss)
+        log_dir = tempfile.mkdtemp(prefix="normprobe-bench-")
+        normprobe.attach(model, step.opt, log_dir=log_dir, every=every)  # type: ignore[attr-defined]
+        out[f"every={every}"] = step
+    naive = copy.deepcopy(base)
+    _naive_hooks(naive)
+    out["naive hooks"] = _trainer(naive, batch, loss)
+    lit = copy.deepcopy(base)
+    opt = torch.optim.AdamW(lit.parameters(), lr=1e-4)
+
+    def lightning_step() -> None:
+        loss(lit).backward()
+        logged = {k: float(v) for k, v in grad_norm(lit, norm_type=2).items()}
+        assert logged
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out["lightning"] = lightning_step
+    return out
+
+
+def measure(steps: dict[str, Step], rounds: int, per_round: int) -> dict[str, float]:
+    for step in steps.values():  # warm-up, and lazy discovery on the first forward
+        for _ in range(2):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(per_round):
+                step()
+            times[name].append((time.perf_counter() - start) / per_round)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 96, (8, 128))
+    rows = torch.randn(1024, 64)
+    cases: dict[str, tuple[Callable[[], nn.Module], torch.Tensor, Callable[[nn.Module], Any]]] = {
+        "GPT-2-style, 12 blocks, width 256, 8x128 tokens": (
+            lambda: TinyTransformer(width=256, depth=12, context=128),
+            tokens,
+            lambda m: m.loss(tokens, tokens),
+        ),
+        "tutorial stack, 48 blocks, width 64, 1024 rows": (
+            lambda: ResidualStack(48, 64),
+            rows,
+            lambda m: m(rows).pow(2).mean(),
+        ),
+    }
+    for title, (make, batch, loss) in cases.items():
+        result = measure(variants(make, batch, loss), args.rounds, args.steps)
+        bare = result["bare"]
+        print(f"\n{title}")
+        print(f"  {'variant':<12} {'ms/step':>8} {'x bare':>7}")
+        for name, seconds in result.items():
+            print(f"  {name:<12} {seconds * 1e3:>8.2f} {seconds / bare:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()
