@@ -481,3 +481,21 @@ def test_reading_hooks_live_only_in_logged_forwards(tmp_path: Path, persistent: 
     assert seen == [armed, armed if persistent else 2, armed, armed if persistent else 2]
     assert values == [0, 0, 2, 2]
     assert hook_count(model) == 0
+
+
+def test_gradients_are_read_after_accumulation_and_unscaling(tmp_path: Path) -> None:
+    model = ResidualStack(3, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with normprobe.attach(model, opt, log_dir=str(tmp_path), metrics=["grad_norm"]) as probe:
+        for _ in range(2):  # two micro-batches accumulate into one optimizer step
+            scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+        scaler.unscale_(opt)
+        want = [
+            float(torch.cat([p.grad.flatten() for p in m.parameters()]).norm()) for m in model.lins
+        ]
+        scaler.step(opt)
+        scaler.update()
+    got = [probe.latest.scalars[f"normprobe/grad_norm/lins/{i}"] for i in range(3)]  # type: ignore[union-attr]
+    assert got == pytest.approx(want)
+    assert probe.step_count == 1
