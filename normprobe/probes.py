@@ -37,14 +37,17 @@ def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.cosine_similarity(a.detach().float(), b.detach().float(), dim=dim).mean()
 
 
-def grad_norms(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
-    """L2 norm of the gradients of each group of parameters (0 for a group without gradients).
+def grad_squares(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """Sum of squared gradient entries of each group of parameters (0 without gradients).
+
+    The square root is each block's gradient L2 norm. Squares, unlike norms, add up across
+    the shards of a sharded (FSDP) gradient.
 
     Args:
         groups: per block, its parameters.
 
     Returns:
-        A float32 vector with one norm per group, on the first gradient's device.
+        A float32 vector with one value per group, on the first gradient's device.
     """
     grads = [[p.grad.detach() for p in params if p.grad is not None] for params in groups]
     flat = [g for group in grads for g in group]
@@ -54,7 +57,7 @@ def grad_norms(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     squares = torch.stack([n.to(device) for n in torch._foreach_norm(flat)]).float().pow(2)
     sizes = [len(group) for group in grads]
     per_group = [part.sum() for part in squares.split(sizes)]  # type: ignore[no-untyped-call]
-    return torch.stack(per_group).sqrt()
+    return torch.stack(per_group)
 
 
 def sample_stride(shape: Sequence[int], budget: int) -> int:
@@ -82,10 +85,12 @@ def strided_sample(t: torch.Tensor, stride: int) -> torch.Tensor:
     return t.detach().reshape(-1)[::stride].clone()
 
 
-def update_ratios(
+def update_squares(
     before: Sequence[Sequence[tuple[torch.Tensor, int, torch.Tensor]]],
-) -> torch.Tensor:
-    """||new - old|| / ||old|| per group of parameters across an optimizer step.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared size of each group's change across an optimizer step, and of its old value.
+
+    ``sqrt(change / old)`` is the update-to-weight ratio ||new - old|| / ||old||.
 
     Args:
         before: per group, ``(parameter, stride, sample taken before the step)`` for each of its
@@ -93,18 +98,19 @@ def update_ratios(
             estimates the whole tensor (exact with stride 1).
 
     Returns:
-        A float32 vector, one ratio per group.
+        Two float32 vectors, one value per group.
     """
-    ratios = []
+    changes: list[torch.Tensor] = []
+    olds: list[torch.Tensor] = []
     for group in before:
         delta = torch._foreach_norm([strided_sample(p, s) - old for p, s, old in group])
         size = torch._foreach_norm([old for _, _, old in group])
-        weights = [float(s) for _, s, _ in group]
         device = group[0][2].device
-        d2 = sum(w * v.to(device).float().pow(2) for w, v in zip(weights, delta, strict=True))
-        s2 = sum(w * v.to(device).float().pow(2) for w, v in zip(weights, size, strict=True))
-        ratios.append(torch.as_tensor(d2).sqrt() / torch.as_tensor(s2).sqrt().clamp_min(1e-30))
-    return torch.stack([r.to(ratios[0].device) for r in ratios])
+        weights = [float(s) for _, s, _ in group]
+        for norms, out in ((delta, changes), (size, olds)):
+            squares = torch._foreach_mul(torch._foreach_pow(norms, 2), weights)
+            out.append(torch.stack([v.to(device).float() for v in squares]).sum())
+    return torch.stack(changes), torch.stack(olds)
 
 
 def logit_stats(logits: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ the device; after the optimizer step those are concatenated and copied to the ho
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -106,6 +107,18 @@ class _Hook:
         return _InertHook, ()
 
 
+Key = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one statistic lives in the step's packed vector, and how ranks combine it."""
+
+    offset: int
+    size: int
+    reduce: str  # "mean" | "rms" | "max" | "min" | "sum"
+
+
 @dataclass
 class _Read:
     """Read one tensor at a module boundary on a given call and hand it to ``action``."""
@@ -198,6 +211,7 @@ class Probe:
         max_block_tags: int = 64,
         start_step: int = 0,
         persistent_hooks: bool = False,
+        param_reduce: str = "mean",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__qualname__}")
@@ -222,8 +236,11 @@ class Probe:
         self._handles: list[RemovableHandle] = []
         self._logged = self._is_logged(start_step)
         self._recording = False
-        self._pending: dict[tuple[str, ...], torch.Tensor] = {}
-        self._finite: list[tuple[str, torch.Tensor]] = []
+        self._pending: dict[Key, torch.Tensor] = {}
+        self._slots: dict[Key, _Slot] = {}
+        self._exec_index = 0
+        self._reduce_cache: tuple[torch.device, dict[str, torch.Tensor]] | None = None
+        self.param_reduce = param_reduce
         self._calls: dict[str, int] = {}
         self._modes: dict[str, list[TorchFunctionMode]] = {}
         self._prev_stream: dict[str, tuple[int, torch.Tensor]] = {}
@@ -277,14 +294,15 @@ class Probe:
             ]
             for s, blocks in self._block_params.items()
         }
-        self._streamed = {s.path: s for s in model_map.stacks if model_map.adds_in(s.path)}
         sites: dict[str, _Sites] = {}
 
         def at(path: str) -> _Sites:
             return sites.setdefault(path, _Sites())
 
+        streamed = {}
         if {"resid_rms", "resid_cos"} & set(self.metrics):
-            self._plan_streams(model_map, at)
+            streamed = self._plan_streams(model_map, at)
+        self._layout_slots(model_map, streamed)
         if "norm_rms" in self.metrics:
             for n in model_map.norms:
                 at(n.path).pre.append(_Read(0, None, self._setter(("norm_in_rms", n.path))))
@@ -315,12 +333,19 @@ class Probe:
             self._arm()
         self._warn_missing(model_map)
 
-    def _plan_streams(self, model_map: ModelMap, at: Callable[[str], _Sites]) -> None:
-        """One read per block: the stream its last residual add leaves (after a Post-LN norm)."""
-        for stack in self._streamed.values():
+    def _plan_streams(
+        self, model_map: ModelMap, at: Callable[[str], _Sites]
+    ) -> dict[str, list[int]]:
+        """One read per block: the stream its last residual add leaves (after a Post-LN norm).
+
+        Returns the blocks read, per stack.
+        """
+        streamed: dict[str, list[int]] = {}
+        for stack in model_map.stacks:
             last = {a.block: a for a in model_map.adds_in(stack.path) if a.block is not None}
-            for block, add in last.items():
+            for block, add in sorted(last.items()):
                 action = self._stream_reader(stack.path, block)
+                streamed.setdefault(stack.path, []).append(block)
                 if add.post_norm is not None:
                     at(add.post_norm).post.append(_Read(0, None, action))
                 elif add.anchor is None:
@@ -332,6 +357,7 @@ class Probe:
                     read = _Read(add.anchor.call, add.anchor.key, action)
                     site = at(add.anchor.module)
                     (site.pre if add.anchor.hook == "pre" else site.post).append(read)
+        return streamed
 
     def _hooks(
         self, module: nn.Module, site: _Sites, path: str
@@ -381,7 +407,7 @@ class Probe:
             read.action(t)
 
     # readers (run on logged steps only) ---------------------------------------------------
-    def _setter(self, key: tuple[str, ...]) -> Callable[[torch.Tensor], None]:
+    def _setter(self, key: Key) -> Callable[[torch.Tensor], None]:
         def set_rms(t: torch.Tensor) -> None:
             self._pending[key] = probes.rms(t)
 
@@ -390,18 +416,19 @@ class Probe:
     def _stream_reader(self, stack: str, block: int) -> Callable[[torch.Tensor], None]:
         def read(t: torch.Tensor) -> None:
             if "resid_rms" in self.metrics:
-                self._pending[("resid_rms", stack, str(block))] = probes.rms(t)
+                self._pending[("resid_rms", stack, block)] = probes.rms(t)
             if "resid_cos" in self.metrics:
                 prev = self._prev_stream.get(stack)
                 if prev is not None and prev[0] == block - 1 and prev[1].shape == t.shape:
                     cos = probes.mean_cosine(prev[1], t)
-                    self._pending[("resid_cos", stack, str(block))] = cos
+                    self._pending[("resid_cos", stack, block)] = cos
                 self._prev_stream[stack] = (block, t.detach())
 
         return read
 
     def _logits(self, t: torch.Tensor) -> None:
-        self._pending[("logits",)] = probes.logit_stats(t)
+        max_abs, rms, z = probes.logit_stats(t)
+        self._pending.update({("logits_max",): max_abs, ("logits_rms",): rms, ("logits_z",): z})
 
     def _attention_reader(self, path: str) -> Callable[[torch.Tensor], None]:
         key = ("attn_logit_max", path)
@@ -422,15 +449,17 @@ class Probe:
         return read
 
     def _finite_reader(self, path: str) -> Callable[..., None]:
+        """Stores the module's position in execution order if its output is not finite."""
+        key = ("nonfinite", path)
+
         def read(mod: nn.Module, args: Any, out: Any) -> None:
-            if self._recording:
-                flags = [
-                    probes.all_finite(t) for _, t in iter_tensors(out) if t.is_floating_point()
-                ]
-                if flags:
-                    self._finite.append(
-                        (path, torch.stack(flags).all() if len(flags) > 1 else flags[0])
-                    )
+            if not self._recording or key in self._pending:
+                return
+            flags = [probes.all_finite(t) for _, t in iter_tensors(out) if t.is_floating_point()]
+            if flags:
+                ok = torch.stack(flags).all() if len(flags) > 1 else flags[0]
+                self._pending[key] = torch.where(ok, math.inf, float(self._exec_index))
+                self._exec_index += 1
 
         return read
 
@@ -446,7 +475,7 @@ class Probe:
         if self._recording:
             self._calls.clear()
             self._prev_stream.clear()
-            self._finite.clear()
+            self._exec_index = 0
             self._arm()
 
     def _root_post(self, *_: Any) -> None:
@@ -479,7 +508,9 @@ class Probe:
     def _after_optimizer(self, *_: Any) -> None:
         if self._logged and self.model_map is not None:
             for s, before in self._before_step.items():
-                self._pending[("update_ratio", s)] = probes.update_ratios(before)
+                change, old = probes.update_squares(before)
+                self._pending[("update_sq", s)] = change
+                self._pending[("weight_sq", s)] = old
             self._before_step = {}
             self.flush()
         self._advance()
@@ -489,7 +520,7 @@ class Probe:
         assert self.model_map is not None
         if "grad_norm" in self.metrics:
             for s, blocks in self._block_params.items():
-                self._pending[("grad_norm", s)] = probes.grad_norms(blocks)
+                self._pending[("grad_sq", s)] = probes.grad_squares(blocks)
         if "norm_gain" in self.metrics:
             modules = dict(self.model.named_modules())
             for n in self.model_map.norms:
@@ -517,99 +548,217 @@ class Probe:
 
     # writing -------------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Copy the step's statistics to the host (one transfer) and hand them to the sinks."""
-        model_map = self.model_map
-        if model_map is None:
-            return
-        keys = list(self._pending)
-        parts = [self._pending[k].reshape(-1) for k in keys]
-        finite = self._finite
-        if finite:
-            parts.append(torch.stack([flag for _, flag in finite]).float())
-        self._pending, self._finite = {}, []
-        if not parts:
-            return
-        device = parts[0].device
-        values = torch.cat([p.float().to(device) for p in parts]).tolist()  # the one transfer
-        record = self._record(keys, [p.numel() for p in parts], values, finite)
-        self.latest = record
-        if not self._layout_written:
-            charts = self._charts(record)
-            for sink in self.sinks:
-                sink.layout(charts)
-            self._layout_written = True
-        for sink in self.sinks:
-            sink.write(record)
-            sink.flush()
+        """Copy the step's statistics to the host (one transfer) and hand them to the sinks.
 
-    def _record(
-        self,
-        keys: list[tuple[str, ...]],
-        sizes: list[int],
-        values: list[float],
-        finite: list[tuple[str, torch.Tensor]],
-    ) -> Record:
+        Under ``torch.distributed`` every rank must call it on the same steps: the ranks' values
+        are combined with one collective (mean of squares for RMS, max of maxima, ...), and
+        only global rank zero writes.
+        """
+        if self.model_map is None:
+            return
+        packed = self._pack()
+        self._pending = {}
+        if packed is None:
+            return
+        values = packed.tolist()  # the one transfer to the host
+        record = self._record(values)
+        self.latest = record
+        if self._is_writer():
+            if not self._layout_written:
+                charts = self._charts(record)
+                for sink in self.sinks:
+                    sink.layout(charts)
+            for sink in self.sinks:
+                sink.write(record)
+                sink.flush()
+        self._layout_written = True
+
+    def _pack(self) -> torch.Tensor | None:
+        """All slots in one float32 vector (NaN where nothing was measured), ranks combined."""
+        if not self._slots:
+            return None
+        distributed = _world_size() > 1
+        if not self._pending and not distributed:
+            return None
+        device = self._device()
+        parts = []
+        for key, slot in self._slots.items():
+            value = self._pending.get(key)
+            if value is None:
+                parts.append(torch.full((slot.size,), math.nan, device=device))
+            else:
+                parts.append(value.reshape(-1).float().to(device))
+        packed = torch.cat(parts)
+        if distributed:
+            packed = self._combine_ranks(packed)
+        return packed
+
+    def _combine_ranks(self, packed: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, packed)  # the one collective of a logged step
+        ranks = torch.stack(gathered)
+        missing = ranks.isnan()
+        nowhere = missing.all(dim=0)
+        combined = {
+            "mean": ranks.nanmean(dim=0),
+            "rms": ranks.pow(2).nanmean(dim=0).sqrt(),
+            "sum": ranks.nansum(dim=0),
+            "max": ranks.masked_fill(missing, -math.inf).amax(dim=0),
+            "min": ranks.masked_fill(missing, math.inf).amin(dim=0),
+        }
+        out = packed.clone()
+        for kind, index in self._reduce_index(packed.device).items():
+            out[index] = combined[kind][index]
+        return out.masked_fill(nowhere, math.nan)
+
+    def _reduce_index(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if self._reduce_cache is None or self._reduce_cache[0] != device:
+            positions: dict[str, list[int]] = {}
+            for slot in self._slots.values():
+                positions.setdefault(slot.reduce, []).extend(
+                    range(slot.offset, slot.offset + slot.size)
+                )
+            index = {k: torch.tensor(v, device=device) for k, v in positions.items()}
+            self._reduce_cache = (device, index)
+        return self._reduce_cache[1]
+
+    def _device(self) -> torch.device:
+        for value in self._pending.values():
+            return value.device
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
+
+    def _is_writer(self) -> bool:
+        import torch.distributed as dist
+
+        return _world_size() == 1 or dist.get_rank() == 0
+
+    def _layout_slots(self, model_map: ModelMap, streamed: dict[str, list[int]]) -> None:
+        """Fix each statistic's place in the packed vector, the same on every rank."""
+        chosen = set(self.metrics)
+        modules = dict(self.model.named_modules())
+        entries: list[tuple[Key, int, str]] = []
+        for stack, blocks in streamed.items():
+            for b in blocks:
+                if "resid_rms" in chosen:
+                    entries.append((("resid_rms", stack, b), 1, "rms"))
+                if "resid_cos" in chosen and b - 1 in blocks:
+                    entries.append((("resid_cos", stack, b), 1, "mean"))
+        for n in model_map.norms:
+            if "norm_rms" in chosen:
+                entries += [
+                    (("norm_in_rms", n.path), 1, "rms"),
+                    (("norm_out_rms", n.path), 1, "rms"),
+                ]
+            weight = getattr(modules.get(n.path), "weight", None)
+            if "norm_gain" in chosen and isinstance(weight, torch.Tensor):
+                entries.append((("gain", n.path), 2, "mean"))
+            m = modules.get(n.path)
+            if "bn_stats" in chosen and isinstance(m, _BatchNorm) and m.running_mean is not None:
+                entries.append((("bn", n.path), 3, "mean"))
+        if "logits" in chosen and model_map.head is not None:
+            entries += [(("logits_max",), 1, "max"), (("logits_rms",), 1, "rms")]
+            entries.append((("logits_z",), 1, "mean"))
+        if "attn_logits" in chosen:
+            entries += [(("attn_logit_max", a.path), 1, "max") for a in model_map.attention]
+        for s in model_map.stacks:
+            if "grad_norm" in chosen:
+                entries.append((("grad_sq", s.path), s.depth, self.param_reduce))
+            if "update_ratio" in chosen:
+                entries.append((("update_sq", s.path), s.depth, self.param_reduce))
+                entries.append((("weight_sq", s.path), s.depth, self.param_reduce))
+        if "nonfinite" in chosen:
+            entries += [(("nonfinite", path), 1, "min") for path in modules]
+        offset = 0
+        for key, size, reduce in entries:
+            self._slots[key] = _Slot(offset, size, reduce)
+            offset += size
+
+    def _record(self, values: list[float]) -> Record:
         assert self.model_map is not None
         record = Record(self.step_count)
         out = record.scalars
-        pos = 0
-        by_key: dict[tuple[str, ...], list[float]] = {}
-        for key, size in zip(keys, sizes, strict=False):
-            by_key[key] = values[pos : pos + size]
-            pos += size
-        stacks = {s.path: s for s in self.model_map.stacks}
         per_block: dict[tuple[str, str], dict[int, float]] = {}
-        for key, vals in by_key.items():
-            family = key[0]
+        bad: list[tuple[float, str]] = []
+        for key, slot in self._slots.items():
+            vals = values[slot.offset : slot.offset + slot.size]
+            if all(v != v for v in vals):  # NaN: not measured on this step
+                continue
+            family = str(key[0])
             if family in ("resid_rms", "resid_cos"):
-                per_block.setdefault((family, key[1]), {})[int(key[2])] = vals[0]
-            elif family in ("grad_norm", "update_ratio"):
-                per_block[(family, key[1])] = dict(enumerate(vals))
-            elif family in ("norm_in_rms", "norm_out_rms"):
-                out[f"{PREFIX}/{family}/{self._norm_tag(key[1])}"] = vals[0]
+                per_block.setdefault((family, str(key[1])), {})[int(key[2])] = vals[0]
+            elif family == "grad_sq":
+                per_block[("grad_norm", str(key[1]))] = {
+                    b: math.sqrt(v) for b, v in enumerate(vals) if v == v
+                }
+            elif family == "update_sq":
+                old = values[self._slots[("weight_sq", key[1])].offset :][: slot.size]
+                per_block[("update_ratio", str(key[1]))] = {
+                    b: math.sqrt(v / o)
+                    for b, (v, o) in enumerate(zip(vals, old, strict=True))
+                    if o > 0
+                }
+            elif family in ("norm_in_rms", "norm_out_rms", "attn_logit_max"):
+                out[f"{PREFIX}/{family}/{self._norm_tag(str(key[1]))}"] = vals[0]
             elif family == "gain":
-                out[f"{PREFIX}/norm_gain_mean/{self._norm_tag(key[1])}"] = vals[0]
-                out[f"{PREFIX}/norm_gain_std/{self._norm_tag(key[1])}"] = vals[1]
+                tag = self._norm_tag(str(key[1]))
+                out[f"{PREFIX}/norm_gain_mean/{tag}"] = vals[0]
+                out[f"{PREFIX}/norm_gain_std/{tag}"] = vals[1]
             elif family == "bn":
-                tag = self._norm_tag(key[1])
+                tag = self._norm_tag(str(key[1]))
                 for name, v in zip(("bn_mean_drift", "bn_var_drift", "bn_gap"), vals, strict=True):
                     out[f"{PREFIX}/{name}/{tag}"] = v
-            elif family == "logits":
-                for name, v in zip(("max_abs", "rms", "z"), vals, strict=True):
-                    out[f"{PREFIX}/logits/{name}"] = v
-            elif family == "attn_logit_max":
-                out[f"{PREFIX}/attn_logit_max/{self._norm_tag(key[1])}"] = vals[0]
+            elif family.startswith("logits_"):
+                name = {"logits_max": "max_abs", "logits_rms": "rms", "logits_z": "z"}[family]
+                out[f"{PREFIX}/logits/{name}"] = vals[0]
+            elif family == "nonfinite" and vals[0] != math.inf:
+                bad.append((vals[0], str(key[1])))
+        self._stack_scalars(record, per_block)
+        if "nonfinite" in self.metrics:
+            self._nonfinite(record, sorted(bad))
+        return record
+
+    def _stack_scalars(
+        self, record: Record, per_block: dict[tuple[str, str], dict[int, float]]
+    ) -> None:
+        """Per-block tags (up to the cap), depth profiles, and per-stack summaries."""
+        assert self.model_map is not None
+        out = record.scalars
+        stacks = {s.path: s for s in self.model_map.stacks}
         for (family, stack_path), blocks in per_block.items():
             stack = stacks[stack_path]
-            tag = f"{PREFIX}/{family}/{_stack_tag(stack_path)}"
+            name = _stack_tag(stack_path)
+            tag = f"{PREFIX}/{family}/{name}"
             width = len(str(stack.depth - 1))
             for b in tagged_blocks(stack.depth, self.max_block_tags):
                 if b in blocks:
                     out[f"{tag}/{b:0{width}d}"] = blocks[b]
-            record.profiles[tag] = [blocks.get(b, float("nan")) for b in range(stack.depth)]
+            record.profiles[tag] = [blocks.get(b, math.nan) for b in range(stack.depth)]
             first, last = blocks.get(0), blocks.get(stack.depth - 1)
-            if family == "grad_norm" and first and last is not None:
-                out[f"{PREFIX}/grad_ratio/{_stack_tag(stack_path)}"] = last / first
-            if family == "resid_rms" and first and last is not None:
-                out[f"{PREFIX}/resid_growth/{_stack_tag(stack_path)}"] = last / first
+            if not first or last is None:
+                continue
+            if family == "grad_norm":
+                out[f"{PREFIX}/grad_ratio/{name}"] = last / first
+            if family == "resid_rms":
+                out[f"{PREFIX}/resid_growth/{name}"] = last / first
                 ordered = [blocks[b] for b in sorted(blocks)]
-                out[f"{PREFIX}/resid_slope/{_stack_tag(stack_path)}"] = probes.loglog_slope(ordered)
-        if finite:
-            flags = values[pos:]
-            bad = [path for (path, _), ok in zip(finite, flags, strict=True) if ok < 0.5]
-            out[f"{PREFIX}/nonfinite/modules"] = float(len(bad))
-            if bad:
-                first_bad = bad[0] or "<root>"
-                record.texts[f"{PREFIX}/nonfinite/first"] = first_bad
-                if not self._warned_nonfinite:
-                    self._warned_nonfinite = True
-                    warnings.warn(
-                        f"normprobe: NaN/Inf first appeared in the output of {first_bad} "
-                        f"at step {self.step_count} ({len(bad)} modules affected)",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-        return record
+                out[f"{PREFIX}/resid_slope/{name}"] = probes.loglog_slope(ordered)
+
+    def _nonfinite(self, record: Record, bad: list[tuple[float, str]]) -> None:
+        record.scalars[f"{PREFIX}/nonfinite/modules"] = float(len(bad))
+        if not bad:
+            return
+        first = bad[0][1] or "<root>"
+        record.texts[f"{PREFIX}/nonfinite/first"] = first
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            warnings.warn(
+                f"normprobe: NaN/Inf first appeared in the output of {first} "
+                f"at step {self.step_count} ({len(bad)} modules affected)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _norm_tag(self, path: str) -> str:
         return self._tags.get(path) or path or "root"
@@ -698,6 +847,14 @@ class Probe:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
 
 
 def _first_float(container: Any) -> torch.Tensor | None:

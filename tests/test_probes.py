@@ -31,19 +31,27 @@ def test_mean_cosine() -> None:
     assert float(probes.mean_cosine(images, 2 * images)) == pytest.approx(1.0)
 
 
-def test_grad_norms_group_by_block() -> None:
+def test_grad_squares_group_by_block() -> None:
     p1, p2, p3 = (nn.Parameter(torch.zeros(2)) for _ in range(3))
     p1.grad = torch.tensor([3.0, 4.0])
     p2.grad = torch.tensor([0.0, 12.0])
-    # block 0 holds p1 and p2: sqrt(9 + 16 + 144) = 13; block 1 has no gradient yet
-    norms = probes.grad_norms([[p1, p2], [p3]])
-    assert norms.tolist() == pytest.approx([13.0, 0.0])
+    # block 0 holds p1 and p2: 9 + 16 + 144 = 169 = 13^2; block 1 has no gradient yet
+    assert probes.grad_squares([[p1, p2], [p3]]).tolist() == pytest.approx([169.0, 0.0])
 
 
-def test_update_ratio() -> None:
-    before = [[torch.tensor([3.0, 4.0])]]
-    after = [[torch.tensor([3.0, 4.5])]]
-    assert probes.update_ratios(before, after).tolist() == pytest.approx([0.5 / 5.0])
+def test_update_squares_exact_and_sampled() -> None:
+    p = torch.tensor([3.0, 4.5])
+    change, old = probes.update_squares([[(p, 1, torch.tensor([3.0, 4.0]))]])
+    assert (change.tolist(), old.tolist()) == (pytest.approx([0.25]), pytest.approx([25.0]))
+    # a strided sample scaled by its stride estimates the whole tensor: every 3rd entry of
+    # a constant tensor, times 3, is exact
+    big = torch.full((30, 7), 2.0)
+    stride = probes.sample_stride(big.shape, budget=70)
+    assert stride == 3 and 7 % stride != 0
+    before = probes.strided_sample(big, stride)
+    big += 1.0
+    change, old = probes.update_squares([[(big, stride, before)]])
+    assert change.item() == pytest.approx(210 * 1.0) and old.item() == pytest.approx(210 * 4.0)
 
 
 def test_logit_stats() -> None:
