@@ -16,6 +16,16 @@ from .sinks import Record, TensorBoardSink
 
 __version__ = "0.1.0.dev0"
 
+
+def __getattr__(name: str) -> object:
+    # the Lightning callback imports lightning, an optional dependency: load it on first use
+    if name == "NormProbe":
+        from .lightning import NormProbe
+
+        return NormProbe
+    raise AttributeError(f"module 'normprobe' has no attribute {name!r}")
+
+
 __all__ = [
     "METRICS",
     "Anchor",
@@ -23,6 +33,7 @@ __all__ = [
     "DiscoveryWarning",
     "ModelMap",
     "NormLayer",
+    "NormProbe",
     "Probe",
     "Record",
     "ResidualAdd",

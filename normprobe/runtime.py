@@ -77,10 +77,6 @@ def tagged_blocks(depth: int, cap: int) -> list[int]:
     return sorted({round(i * (depth - 1) / (cap - 1)) for i in range(cap)})
 
 
-def _stack_tag(path: str) -> str:
-    return path or "root"
-
-
 class _InertHook:
     """What a probe's hook becomes in a copy of the model: does nothing."""
 
@@ -194,7 +190,7 @@ class Probe:
     """Hooks on one model that log normalization, residual and gradient statistics.
 
     Create it with `attach`. Steps advance with the optimizer's step (or `step` without an
-    optimizer); every ``every``-th step, starting with the first, is logged. Between logged
+    optimizer); step 0 and every step with ``step % every == phase`` are logged. Between logged
     steps only the root module carries a hook; the reading hooks are registered when a logged
     forward starts and removed when it ends. With ``persistent_hooks`` they stay registered
     and return at once on other steps (what a compiled model needs: no hook added later).
@@ -212,6 +208,8 @@ class Probe:
         start_step: int = 0,
         persistent_hooks: bool = False,
         param_reduce: str = "mean",
+        phase: int = 0,
+        name_prefix: str = "",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__qualname__}")
@@ -231,6 +229,8 @@ class Probe:
         self.metrics = _check_metrics(metrics)
         self.max_block_tags = max_block_tags
         self.step_count = start_step
+        self.phase = phase % every
+        self.name_prefix = name_prefix
         self.model_map: ModelMap | None = None
         self.latest: Record | None = None
         self._handles: list[RemovableHandle] = []
@@ -240,6 +240,8 @@ class Probe:
         self._slots: dict[Key, _Slot] = {}
         self._exec_index = 0
         self._reduce_cache: tuple[torch.device, dict[str, torch.Tensor]] | None = None
+        self._validating = False
+        self.paused = False
         self.param_reduce = param_reduce
         self._calls: dict[str, int] = {}
         self._modes: dict[str, list[TorchFunctionMode]] = {}
@@ -465,13 +467,14 @@ class Probe:
 
     # the schedule ------------------------------------------------------------------------------
     def _is_logged(self, step: int) -> bool:
-        return step % self.every == 0
+        return step == 0 or step % self.every == self.phase
 
     def _root_pre(self, *_: Any) -> None:
         self._begin_forward()
 
     def _begin_forward(self) -> None:
-        self._recording = self._logged and not self._removed and self.model_map is not None
+        wanted = self._validating or (self._logged and not self.paused)
+        self._recording = wanted and not self._removed and self.model_map is not None
         if self._recording:
             self._calls.clear()
             self._prev_stream.clear()
@@ -480,6 +483,7 @@ class Probe:
 
     def _root_post(self, *_: Any) -> None:
         self._recording = False
+        self._validating = False
         self._prev_stream.clear()
         self._exit_modes()
         if not self.persistent_hooks:
@@ -496,6 +500,19 @@ class Probe:
         self._armed = []
 
     def _before_optimizer(self, *_: Any) -> None:
+        self.before_optimizer_step()
+
+    def _after_optimizer(self, *_: Any) -> None:
+        self.end_step()
+        self._advance()
+
+    def begin_step(self, step: int) -> None:
+        """Start training step ``step`` (for drivers that count steps themselves)."""
+        self.step_count = step
+        self._logged = self._is_logged(step)
+
+    def before_optimizer_step(self) -> None:
+        """Read gradients and gains, and keep what the update ratio compares against."""
         if not self._logged or self.model_map is None:
             return
         self._record_parameters()
@@ -505,15 +522,25 @@ class Probe:
                 for s, blocks in self._sampled_params.items()
             }
 
-    def _after_optimizer(self, *_: Any) -> None:
-        if self._logged and self.model_map is not None:
-            for s, before in self._before_step.items():
-                change, old = probes.update_squares(before)
-                self._pending[("update_sq", s)] = change
-                self._pending[("weight_sq", s)] = old
-            self._before_step = {}
-            self.flush()
-        self._advance()
+    def end_step(self) -> None:
+        """After the optimizer step: measure the update and write the step (if logged)."""
+        if not self._logged or self.model_map is None:
+            return
+        for s, before in self._before_step.items():
+            change, old = probes.update_squares(before)
+            self._pending[("update_sq", s)] = change
+            self._pending[("weight_sq", s)] = old
+        self._before_step = {}
+        self.flush()
+
+    def validate_next_forward(self) -> None:
+        """Record BatchNorm statistics on the next forward; `flush_validation` writes them."""
+        self._validating = True
+
+    def flush_validation(self) -> None:
+        """Write what the validation forward measured, as ``normprobe/val_bn_*`` tags."""
+        self._pending = {k: v for k, v in self._pending.items() if k[0] == "bn"}
+        self.flush(validation=True)
 
     def _record_parameters(self) -> None:
         """Gradients and gains as they are before the optimizer step."""
@@ -547,7 +574,7 @@ class Probe:
         self._advance()
 
     # writing -------------------------------------------------------------------------------------
-    def flush(self) -> None:
+    def flush(self, validation: bool = False) -> None:
         """Copy the step's statistics to the host (one transfer) and hand them to the sinks.
 
         Under ``torch.distributed`` every rank must call it on the same steps: the ranks' values
@@ -561,8 +588,9 @@ class Probe:
         if packed is None:
             return
         values = packed.tolist()  # the one transfer to the host
-        record = self._record(values)
-        self.latest = record
+        record = self._record(values, validation)
+        if not validation:
+            self.latest = record
         if self._is_writer():
             if not self._layout_written:
                 charts = self._charts(record)
@@ -675,7 +703,7 @@ class Probe:
             self._slots[key] = _Slot(offset, size, reduce)
             offset += size
 
-    def _record(self, values: list[float]) -> Record:
+    def _record(self, values: list[float], validation: bool = False) -> Record:
         assert self.model_map is not None
         record = Record(self.step_count)
         out = record.scalars
@@ -686,6 +714,8 @@ class Probe:
             if all(v != v for v in vals):  # NaN: not measured on this step
                 continue
             family = str(key[0])
+            if validation and family != "bn":
+                continue
             if family in ("resid_rms", "resid_cos"):
                 per_block.setdefault((family, str(key[1])), {})[int(key[2])] = vals[0]
             elif family == "grad_sq":
@@ -708,14 +738,14 @@ class Probe:
             elif family == "bn":
                 tag = self._norm_tag(str(key[1]))
                 for name, v in zip(("bn_mean_drift", "bn_var_drift", "bn_gap"), vals, strict=True):
-                    out[f"{PREFIX}/{name}/{tag}"] = v
+                    out[f"{PREFIX}/{'val_' if validation else ''}{name}/{tag}"] = v
             elif family.startswith("logits_"):
                 name = {"logits_max": "max_abs", "logits_rms": "rms", "logits_z": "z"}[family]
                 out[f"{PREFIX}/logits/{name}"] = vals[0]
             elif family == "nonfinite" and vals[0] != math.inf:
                 bad.append((vals[0], str(key[1])))
         self._stack_scalars(record, per_block)
-        if "nonfinite" in self.metrics:
+        if "nonfinite" in self.metrics and not validation:
             self._nonfinite(record, sorted(bad))
         return record
 
@@ -728,7 +758,7 @@ class Probe:
         stacks = {s.path: s for s in self.model_map.stacks}
         for (family, stack_path), blocks in per_block.items():
             stack = stacks[stack_path]
-            name = _stack_tag(stack_path)
+            name = self._name(stack_path)
             tag = f"{PREFIX}/{family}/{name}"
             width = len(str(stack.depth - 1))
             for b in tagged_blocks(stack.depth, self.max_block_tags):
@@ -761,13 +791,16 @@ class Probe:
             )
 
     def _norm_tag(self, path: str) -> str:
-        return self._tags.get(path) or path or "root"
+        return self._tags.get(path) or self._name(path)
 
-    @staticmethod
-    def _module_tags(model_map: ModelMap, paths: Iterable[str]) -> dict[str, str]:
+    def _name(self, path: str) -> str:
+        """A module path as tags show it: under ``name_prefix``, ``root`` for the model."""
+        return (self.name_prefix + path).rstrip(".") or "root"
+
+    def _module_tags(self, model_map: ModelMap, paths: Iterable[str]) -> dict[str, str]:
         """``<stack>/<block>.<rest>`` for modules inside a stack block (innermost block)."""
         blocks = {
-            block: f"{_stack_tag(s.path)}/{b:0{len(str(s.depth - 1))}d}"
+            block: f"{self._name(s.path)}/{b:0{len(str(s.depth - 1))}d}"
             for s in model_map.stacks
             for b, block in enumerate(s.blocks)
         }

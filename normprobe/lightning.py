@@ -1,0 +1,304 @@
+"""`NormProbe`: the probe as a Lightning callback, on the Trainer's own loggers and steps."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.strategies import FSDPStrategy
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .runtime import Probe, _check_metrics, _Hook
+from .sinks import Chart, Record, Sink, TensorBoardSink
+
+DEFAULT_DIR = "normprobe_logs"
+CHECKPOINT_KEY = "normprobe"
+
+
+class LoggerSink:
+    """Scalars through a Lightning logger's ``log_metrics``; the TensorBoard-only panels
+    (layout, depth histograms, texts) and the same scalars to a writer in its directory."""
+
+    def __init__(self, logger: Logger, log_dir: str) -> None:
+        self.logger = logger
+        self.board = TensorBoardSink(log_dir=log_dir)
+
+    @property
+    def log_dir(self) -> str:
+        return self.board.log_dir
+
+    def layout(self, charts: list[Chart]) -> None:
+        self.board.layout(charts)
+
+    def write(self, record: Record) -> None:
+        self.logger.log_metrics(record.scalars, step=record.step)
+        self.board.write(record)
+
+    def flush(self) -> None:
+        self.logger.save()
+        self.board.flush()
+
+    def close(self) -> None:
+        self.board.close()
+
+
+class NormProbe(Callback):
+    """Log normalization, residual and gradient statistics of the model a Trainer fits.
+
+    Add it to an existing Trainer; with no argument it logs every metric of
+    `normprobe.METRICS` on the steps Lightning logs on (every ``trainer.log_every_n_steps``)
+    and on step 0, to the Trainer's TensorBoardLogger run (same directory, same global
+    steps). With other loggers, scalars go through each logger's ``log_metrics`` and
+    TensorBoard's panels to a ``normprobe`` folder in that logger's directory; without a
+    logger, to ``<default_root_dir>/normprobe_logs``.
+
+    The model is the module your ``training_step`` runs: the LightningModule if its forward is
+    called, else the first child module called (e.g. ``self.model``); tags use paths in the
+    LightningModule either way (``model.blocks``). It is mapped on its first
+    forward, or on ``example_inputs`` / the module's ``example_input_array`` before training
+    starts (needed when the model is compiled, so that the hooks exist before compilation).
+
+    Gradients are read in ``on_before_optimizer_step``: accumulated, unscaled by the precision
+    plugin, not yet clipped; with gradient accumulation, once per optimizer step. BatchNorm
+    drift and the train/eval gap are also logged on the first batch of each validation run
+    (``normprobe/val_bn_*``).
+
+    Args:
+        every: log every this many optimizer steps (default: ``trainer.log_every_n_steps``).
+        metrics: names from `normprobe.METRICS` (default: all).
+        example_inputs: positional inputs to map the model before training starts.
+        max_block_tags: per-block scalar tags for at most this many blocks of a stack.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[normprobe.NormProbe()])
+        trainer.fit(model)   # then: tensorboard --logdir lightning_logs
+    """
+
+    def __init__(
+        self,
+        every: int | None = None,
+        metrics: Iterable[str] | None = None,
+        example_inputs: tuple[Any, ...] | None = None,
+        max_block_tags: int = 64,
+    ) -> None:
+        if every is not None and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
+            raise ValueError(f"`every` must be a positive integer number of steps, got {every!r}")
+        self.every = every
+        self.metrics = _check_metrics(metrics)
+        self.example_inputs = example_inputs
+        self.max_block_tags = max_block_tags
+        self.probe: Probe | None = None
+        self._waiting: list[RemovableHandle] = []
+        self._stepped = False
+        self._layout_dirs: list[str] = []
+        self._sinks: list[Sink] = []
+
+    # set-up ------------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        mine = [c for c in trainer.callbacks if isinstance(c, NormProbe)]  # type: ignore[attr-defined]
+        if len(mine) > 1:
+            raise RuntimeError(
+                f"NormProbe was added {len(mine)} times to this Trainer; one logs every metric: "
+                "keep one in `callbacks=[...]`"
+            )
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._sinks = self._make_sinks(trainer) if trainer.is_global_zero else []
+        inputs = self.example_inputs
+        if inputs is None and getattr(pl_module, "example_input_array", None) is not None:
+            example = pl_module.example_input_array
+            inputs = example if isinstance(example, tuple) else (example,)
+        if inputs is not None:
+            device = pl_module.device
+            inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+            self._start(trainer, pl_module, inputs, {})
+            return
+        if _is_compiled(pl_module):
+            raise RuntimeError(
+                "NormProbe needs the model mapped before torch.compile traces it: set "
+                "`example_input_array` on your LightningModule or pass "
+                "NormProbe(example_inputs=(...,))"
+            )
+        # map whichever module training_step runs first: the LightningModule or a child
+        for module in (pl_module, *pl_module.children()):
+            self._waiting.append(
+                module.register_forward_pre_hook(
+                    _Hook(self._first_forward(trainer)), with_kwargs=True, prepend=True
+                )
+            )
+
+    def _first_forward(self, trainer: Trainer) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self._stop_waiting()
+            self._start(trainer, module, args, kwargs)
+            assert self.probe is not None
+            self.probe._begin_forward()
+
+        return hook
+
+    def _start(
+        self, trainer: Trainer, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        target = getattr(module, "_orig_mod", module)  # a compiled child: map the eager module
+        sinks = self._sinks
+        every = self.every or int(trainer.log_every_n_steps)  # type: ignore[attr-defined]
+        compiled = _is_compiled(module) or _is_compiled(trainer.lightning_module)
+        self.probe = Probe(
+            target,
+            sinks=sinks,
+            every=every,
+            metrics=self.metrics,
+            max_block_tags=self.max_block_tags,
+            start_step=trainer.global_step,
+            persistent_hooks=compiled,
+            param_reduce="sum" if isinstance(trainer.strategy, FSDPStrategy) else "mean",
+            phase=every - 1,  # Lightning logs step s when (s + 1) % every == 0
+            name_prefix=_prefix(trainer.lightning_module, module),
+        )
+        # a resumed run writing into a directory that already holds the layout
+        self.probe._layout_written = any(
+            getattr(sink, "log_dir", None) in self._layout_dirs for sink in sinks
+        )
+        self.probe.paused = trainer.sanity_checking
+        was_training = target.training
+        self.probe.discover_now(*args, **kwargs)
+        target.train(was_training)
+
+    def _make_sinks(self, trainer: Trainer) -> list[Sink]:
+        sinks: list[Sink] = []
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                sinks.append(TensorBoardSink(writer=logger.experiment, close_writer=False))
+            else:
+                root = logger.log_dir or logger.save_dir or trainer.default_root_dir
+                sinks.append(LoggerSink(logger, os.path.join(root, "normprobe")))
+        if not sinks:
+            log_dir = os.path.join(trainer.default_root_dir, DEFAULT_DIR)
+            warnings.warn(
+                f"NormProbe: the Trainer has no logger; writing TensorBoard files to {log_dir}",
+                UserWarning,
+                stacklevel=2,
+            )
+            sinks.append(TensorBoardSink(log_dir=log_dir))
+        return sinks
+
+    # the training loop -----------------------------------------------------------------------
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.probe is not None:
+            self.probe.paused = False
+            self.probe.begin_step(trainer.global_step)
+
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.probe is not None and not self._stepped:  # the first optimizer of the step
+            self.probe.before_optimizer_step()
+            self._stepped = True
+
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self.probe is not None and self._stepped:  # an optimizer step happened in this batch
+            self.probe.end_step()
+            self._stepped = False
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.probe is not None:
+            self.probe.paused = True
+
+    def on_validation_batch_start(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.probe is not None and batch_idx == 0 and "bn_stats" in self.metrics:
+            self.probe.begin_step(trainer.global_step)
+            self.probe.validate_next_forward()
+
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.probe is not None and batch_idx == 0 and "bn_stats" in self.metrics:
+            self.probe.flush_validation()
+
+    # lifetime ---------------------------------------------------------------------------------
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        self._finish()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._finish()
+
+    def _finish(self) -> None:
+        self._stop_waiting()
+        if self.probe is not None:
+            if self.probe._layout_written:
+                self._layout_dirs += [
+                    d for d in (getattr(s, "log_dir", None) for s in self._sinks) if d
+                ]
+            self.probe.remove()
+            self.probe = None
+        else:
+            for sink in self._sinks:
+                sink.close()
+        self._sinks = []
+
+    def _stop_waiting(self) -> None:
+        for handle in self._waiting:
+            handle.remove()
+        self._waiting = []
+
+    # The state rides in the checkpoint dict rather than in state_dict(), so that Lightning
+    # does not refuse a second instance before `setup` can explain the problem.
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        dirs = list(self._layout_dirs)
+        if self.probe is not None and self.probe._layout_written:
+            dirs += [d for d in (getattr(s, "log_dir", None) for s in self._sinks) if d]
+        checkpoint[CHECKPOINT_KEY] = {"layout_dirs": sorted(set(dirs))}
+
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._layout_dirs = list(checkpoint.get(CHECKPOINT_KEY, {}).get("layout_dirs", []))
+
+
+def _prefix(pl_module: nn.Module, module: nn.Module) -> str:
+    """``"model."`` when the probed module is ``pl_module.model``: tags keep the full path."""
+    for name, child in pl_module.named_children():
+        if child is module:
+            return name + "."
+    return ""
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    return hasattr(module, "_orig_mod") or getattr(module, "_compiler_ctx", None) is not None
