@@ -11,8 +11,17 @@ from .discovery import (
     discover,
     discover_on_first_forward,
 )
+from .layers import DyT
 from .runtime import METRICS, Probe, attach
 from .sinks import Record, TensorBoardSink
+from .surgery import (
+    HYBRIDNORM,
+    Conversion,
+    ConversionReport,
+    ConversionWarning,
+    convert_norms,
+    convert_norms_with_report,
+)
 
 __version__ = "0.1.0.dev0"
 
@@ -27,10 +36,15 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "HYBRIDNORM",
     "METRICS",
     "Anchor",
     "Attention",
+    "Conversion",
+    "ConversionReport",
+    "ConversionWarning",
     "DiscoveryWarning",
+    "DyT",
     "ModelMap",
     "NormLayer",
     "NormProbe",
@@ -41,6 +55,8 @@ __all__ = [
     "TensorBoardSink",
     "__version__",
     "attach",
+    "convert_norms",
+    "convert_norms_with_report",
     "discover",
     "discover_on_first_forward",
 ]

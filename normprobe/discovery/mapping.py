@@ -225,10 +225,13 @@ class _Builder:
                     if key not in cache:
                         cache[key] = norm_rules.probe(m, args, kwargs, eps)
                     behaviour, probed = cache[key], True
-            if kind is None and named is None and behaviour is None:
+            tanh = norm_rules.tanh_replacement(m)
+            if kind is None and named is None and behaviour is None and tanh is None:
                 continue
             cls = type(m).__name__
-            if kind is not None:
+            if tanh is not None:
+                kind, how = "dyt", f"class name {tanh}"
+            elif kind is not None:
                 base = next(
                     c.__name__ for c in type(m).__mro__ if c.__module__.startswith("torch.nn")
                 )

@@ -8,7 +8,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-NormKind = Literal["batchnorm", "layernorm", "rmsnorm", "groupnorm", "instancenorm", "unknown"]
+NormKind = Literal[
+    "batchnorm", "layernorm", "rmsnorm", "groupnorm", "instancenorm", "dyt", "unknown"
+]
 NormRole = Literal["pre", "post", "sandwich-post", "qk", "final", "branch", "other"]
 Placement = Literal["pre-ln", "post-ln", "sandwich", "deepnorm", "in-branch", "no-norm", "mixed"]
 EpsPlacement = Literal["inside-sqrt", "outside-sqrt", "unknown"]
@@ -20,7 +22,8 @@ class NormLayer:
 
     Attributes:
         path: name in ``model.named_modules()``.
-        kind: what it computes, by class where known and by behaviour otherwise.
+        kind: what it computes, by class where known and by behaviour otherwise; ``dyt`` is
+            Dynamic Tanh, which takes a norm's place without computing statistics.
         role: where it sits relative to the residual stream: ``pre`` feeds a residual branch,
             ``post`` normalizes the sum after a residual add, ``sandwich-post`` normalizes a
             branch output before the add (with a ``pre`` norm on the same branch), ``qk`` sits on

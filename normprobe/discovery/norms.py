@@ -36,6 +36,8 @@ NAME_PATTERN = re.compile(r"(?i)norm(\d?d)?(act)?(\d?d)?(fp32|nobias|gated|1p)?$
 # Names that say the wrong thing about what the class computes.
 MISLEADING_NAMES: dict[str, NormKind] = {"T5LayerNorm": "rmsnorm", "MT5LayerNorm": "rmsnorm"}
 EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "eps_")
+# Norm replacements that compute no statistics (Dynamic Tanh), known by class name.
+TANH_NAMES = frozenset({"DyT", "DynamicTanh"})
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ def name_match(module: nn.Module) -> str | None:
         if NAME_PATTERN.search(cls.__name__):
             return cls.__name__
     return None
+
+
+def tanh_replacement(module: nn.Module) -> str | None:
+    """The class name if ``module`` is a Dynamic Tanh layer standing in for a norm."""
+    return next((c.__name__ for c in type(module).__mro__ if c.__name__ in TANH_NAMES), None)
 
 
 def kind_from_name(class_name: str) -> NormKind:

@@ -1,0 +1,1091 @@
+"""`convert_norms`: swap a model's normalization layers for another kind, in place."""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from types import MappingProxyType
+from typing import Any, Literal, TypeVar, cast
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .discovery import DiscoveryWarning, ModelMap, NormLayer, discover
+from .discovery.model_map import _table
+from .layers import BatchNormNd, DyT, LayerNorm2d, RMSNorm2d
+
+__all__ = [
+    "HYBRIDNORM",
+    "POSITIONS",
+    "ROLES",
+    "TARGETS",
+    "Conversion",
+    "ConversionReport",
+    "ConversionWarning",
+    "Target",
+    "convert_norms",
+    "convert_norms_with_report",
+]
+
+Target = Literal[
+    "layernorm", "rmsnorm", "groupnorm", "batchnorm", "syncbatchnorm", "dyt", "identity"
+]
+TARGETS: tuple[Target, ...] = (
+    "layernorm",
+    "rmsnorm",
+    "groupnorm",
+    "batchnorm",
+    "syncbatchnorm",
+    "dyt",
+    "identity",
+)
+ROLES = ("pre", "post", "sandwich-post", "qk", "final", "branch", "other")
+POSITIONS = ("post-attention", "post-ffn")
+HYBRIDNORM: Mapping[str, Target | None] = MappingProxyType(
+    {"post-attention": "layernorm", "*": "rmsnorm"}
+)
+"""The lecture's HybridNorm: LayerNorm right after attention, RMSNorm everywhere else."""
+
+M = TypeVar("M", bound=nn.Module)
+Policy = Mapping[str, Target | str | None]
+Layout = Literal["channels-last", "channels-first", "batch", "spatial", "groups"]
+
+_ALIASES: dict[str, Target] = {t: t for t in TARGETS} | {"dynamictanh": "dyt"}
+_GAIN_NAMES = ("weight", "gamma", "gain", "scale", "g")
+_BIAS_NAMES = ("bias", "beta", "shift", "b")
+_HOOK_ATTRS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "FSDPModule")
+
+
+class ConversionWarning(UserWarning):
+    """`convert_norms` did less than asked, or something needs the caller's attention."""
+
+
+def _warn(message: str) -> None:
+    """Warn at the caller's line: the first frame outside this module."""
+    level, frame = 2, sys._getframe(1)  # level 2: _warn's caller
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, ConversionWarning, level)
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """One norm layer replaced by `convert_norms`.
+
+    Attributes:
+        path: its name in ``model.named_modules()``; ``aliases`` holds any other names of the
+            same (shared) module.
+        source: the replaced module's class name; ``kind`` what it computed.
+        target: what it was converted to; ``result`` the new module's class name.
+        carried: state moved into the new module (``weight``, ``bias``, ``eps=1e-05``, ...).
+        dropped: state the new module has no place for (``bias``, ``running_mean``, ...).
+        created: parameters made fresh (``alpha``, a ``weight`` of ones, ...).
+        notes: anything else a reader should know (a folded ``1 + weight``, a renamed key).
+        max_abs_diff: for a conversion to the same kind, the largest output difference between
+            the old and the new layer on a random input (None when not checked).
+    """
+
+    path: str
+    aliases: tuple[str, ...]
+    source: str
+    kind: str
+    target: Target
+    result: str
+    carried: tuple[str, ...]
+    dropped: tuple[str, ...]
+    created: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+    max_abs_diff: float | None = None
+
+
+@dataclass
+class ConversionReport:
+    """What `convert_norms_with_report` changed; ``print()`` it for a table.
+
+    Attributes:
+        conversions: every replaced layer.
+        kept: ``(path, why)`` of norm layers left as they were (already the target, or no
+            policy key chose them).
+        skipped: ``(path, why)`` of norm layers that could not be converted and were left alone.
+        new_parameters: full names of parameters the conversion created.
+        removed_parameters: full names (before the conversion) of parameters no longer in the
+            model.
+        renamed_keys: state_dict keys whose tensor now lives under another key, old to new.
+        removed_keys, added_keys: state_dict keys that disappeared or appeared.
+        optimizer_updated: whether the optimizer passed in had its param groups changed.
+    """
+
+    conversions: list[Conversion] = field(default_factory=list)
+    kept: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    new_parameters: list[str] = field(default_factory=list)
+    removed_parameters: list[str] = field(default_factory=list)
+    renamed_keys: dict[str, str] = field(default_factory=dict)
+    removed_keys: list[str] = field(default_factory=list)
+    added_keys: list[str] = field(default_factory=list)
+    optimizer_updated: bool = False
+
+    def __str__(self) -> str:
+        swaps = Counter(f"{c.source} -> {c.result}" for c in self.conversions)
+        summary = ", ".join(f"{count} {swap}" for swap, count in swaps.items())
+        n = len(self.conversions)
+        lines = [f"Converted {n} norm layer{'s' if n != 1 else ''}" + (f": {summary}" if n else "")]
+        if self.conversions:
+            rows = [
+                (
+                    c.path or "<root>",
+                    c.source,
+                    c.result,
+                    ", ".join(c.carried) or "-",
+                    ", ".join(c.dropped) or "-",
+                    ", ".join(c.created) or "-",
+                )
+                for c in self.conversions
+            ]
+            lines += _table(("path", "from", "to", "carried", "dropped", "created"), rows)
+        for title, items in (("Kept", self.kept), ("Skipped", self.skipped)):
+            if items:
+                lines.append(f"{title} ({len(items)})")
+                lines += _table(("path", "why"), [(p or "<root>", why) for p, why in items])
+        changes = [
+            f"{len(self.removed_keys)} removed",
+            f"{len(self.added_keys)} added",
+            f"{len(self.renamed_keys)} renamed",
+        ]
+        lines.append("state_dict keys: " + ", ".join(changes))
+        params = (
+            f"parameters: {len(self.new_parameters)} new, {len(self.removed_parameters)} removed"
+        )
+        if self.optimizer_updated:
+            params += " (optimizer updated)"
+        elif self.new_parameters:
+            params += " (not in any optimizer: build it after the conversion)"
+        lines.append(params)
+        notes = sorted({n for c in self.conversions for n in c.notes})
+        lines += [f"Note: {n}" for n in notes]
+        return "\n".join(lines)
+
+
+def convert_norms(
+    model: M,
+    target: Target | str | Policy,
+    *,
+    include: str | Iterable[str] | None = None,
+    exclude: str | Iterable[str] | None = None,
+    eps: float | None = None,
+    num_groups: int = 32,
+    alpha_init: float = 0.5,
+    channels_first: bool = False,
+    optimizer: torch.optim.Optimizer | None = None,
+    example_inputs: tuple[Any, ...] | torch.Tensor | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    model_map: ModelMap | None = None,
+) -> M:
+    """Replace the normalization layers of ``model`` in place and return it.
+
+    Layers are found by `normprobe.discover` (torch norms, Hugging Face and timm norm classes,
+    users' own) and by class for `DyT`. Each new layer takes over the old one's gain and bias
+    Parameter objects where shapes match (so an existing optimizer stays valid), its eps (unless
+    ``eps`` is given), training mode and forward/backward hooks (the old handles still remove
+    them); a module registered under two names is converted once and stays shared. Gemma's
+    ``x_hat * (1 + weight)`` is folded into ``weight`` in place. Nothing changes if any selected
+    layer cannot be converted.
+
+    Args:
+        model: the model; always reassign the result (a new object only when ``model`` itself
+            is a norm layer).
+        target: one of `TARGETS` (``"rmsnorm"`` is torch's fused ``nn.RMSNorm``), or a policy
+            mapping keys to targets (None leaves a layer as it is). A key is a module-path glob
+            (``"*.ln_2"``), a discovery role (`ROLES`), a position (``"post-attention"``,
+            ``"post-ffn"``: the first norm the attention / feed-forward output passes through),
+            or ``"*"`` for the rest. Globs win over positions, positions over roles, roles over
+            ``"*"``; among globs the first listed wins. `HYBRIDNORM` is the lecture's policy.
+        include: path globs; only matching layers are converted.
+        exclude: path globs; matching layers are left alone.
+        eps: eps for every new layer (default: each old layer's own).
+        num_groups: groups for a ``groupnorm`` target.
+        alpha_init: starting ``alpha`` of a ``dyt`` target.
+        channels_first: let BatchNorm/GroupNorm/InstanceNorm become a layernorm/rmsnorm that
+            normalizes the channels at every position (ConvNeXt's LayerNorm2d).
+        optimizer: an optimizer over ``model``'s parameters, updated when the conversion
+            creates parameters (added to the group of the old layer's weight) or removes them.
+        example_inputs: positional inputs for one forward pass, so discovery knows each norm's
+            role and position (needed by a policy with role or position keys).
+        example_kwargs: keyword inputs for that forward (``use_cache=False`` for HF models).
+        model_map: a map ``discover`` already made of ``model``, instead of example inputs.
+
+    Returns:
+        ``model`` with its norm layers replaced. `convert_norms_with_report` returns a report too.
+
+    Raises:
+        ValueError: an unknown target, a role policy without example inputs, a layer that
+            cannot become the target (named in the message, with the way out), or a
+            ``model_map`` of another model.
+        TypeError: ``model`` is not an ``nn.Module``, or is wrapped by DDP/FSDP or compiled.
+        RuntimeError: a normprobe probe is attached (remove it, convert, attach again).
+
+    Example::
+
+        >>> model = normprobe.convert_norms(model, "rmsnorm")
+        >>> model = normprobe.convert_norms(model, HYBRIDNORM, example_inputs=(tokens,))
+    """
+    converted, _ = convert_norms_with_report(
+        model,
+        target,
+        include=include,
+        exclude=exclude,
+        eps=eps,
+        num_groups=num_groups,
+        alpha_init=alpha_init,
+        channels_first=channels_first,
+        optimizer=optimizer,
+        example_inputs=example_inputs,
+        example_kwargs=example_kwargs,
+        model_map=model_map,
+    )
+    return converted
+
+
+def convert_norms_with_report(
+    model: M,
+    target: Target | str | Policy,
+    *,
+    include: str | Iterable[str] | None = None,
+    exclude: str | Iterable[str] | None = None,
+    eps: float | None = None,
+    num_groups: int = 32,
+    alpha_init: float = 0.5,
+    channels_first: bool = False,
+    optimizer: torch.optim.Optimizer | None = None,
+    example_inputs: tuple[Any, ...] | torch.Tensor | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    model_map: ModelMap | None = None,
+) -> tuple[M, ConversionReport]:
+    """`convert_norms`, also returning a report of what was converted, carried and dropped.
+
+    Takes the same arguments, and raises the same errors, as `convert_norms`.
+
+    Returns:
+        ``(model, report)``: the model as `convert_norms` returns it, and a `ConversionReport`.
+
+    Example::
+
+        >>> model, report = convert_norms_with_report(model, "dyt")
+        >>> print(report)
+    """
+    _check_model(model)
+    policy = _parse_policy(target)
+    if num_groups < 1:
+        raise ValueError(f"num_groups must be a positive integer, got {num_groups}")
+    model_map = _model_map(model, policy, example_inputs, example_kwargs, model_map)
+    report = ConversionReport()
+    sources = _sources(model, model_map)
+    if not sources:
+        _warn(
+            f"convert_norms found no normalization layers in {type(model).__name__}; "
+            "the model is unchanged"
+        )
+        return model, report
+    chosen = _select(sources, policy, model_map, include, exclude, report)
+    opts = _Options(eps, num_groups, alpha_init, channels_first)
+    plans = _plan_all(model, chosen, opts, report)
+    if plans:
+        model = _commit(model, plans, opts, optimizer, report)
+    return model, report
+
+
+# ------------------------------------------------------------------------------------------------
+# checks and selection
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert_norms needs a torch.nn.Module, got {type(model).__qualname__}")
+    _check_no_probe(model)
+    for path, m in model.named_modules():
+        names = {c.__name__ for c in type(m).__mro__}
+        wrapper = next((w for w in _WRAPPERS if w in names), None)
+        where = f" at {path!r}" if path else ""
+        if wrapper is not None:
+            raise TypeError(
+                f"convert_norms got a model wrapped in {wrapper}{where}, which has already "
+                "registered the current parameters for gradient reduction; convert the plain "
+                f"model (the wrapper's `.module`), then wrap the result in {wrapper}"
+            )
+        if hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None:
+            raise TypeError(
+                f"convert_norms got a model compiled by torch.compile{where}, whose graphs would "
+                "keep running the old layers; convert the model before compiling it (the "
+                "uncompiled model is `._orig_mod`), then compile the result"
+            )
+
+
+def _check_no_probe(model: nn.Module) -> None:
+    runtime = sys.modules.get("normprobe.runtime")
+    if runtime is None:  # no probe can be attached before the runtime is imported
+        return
+    for path, m in model.named_modules():
+        if runtime._attached_probe(m) is not None:
+            where = f" at {path!r}" if path else ""
+            raise RuntimeError(
+                f"a normprobe probe is attached to {type(m).__name__}{where}; its hooks and model "
+                "map point at the current layers, so it would stop seeing the converted ones: "
+                "call probe.remove(), convert, then attach a new probe"
+            )
+
+
+def _parse_target(value: object, where: str) -> Target:
+    if not isinstance(value, str):
+        raise TypeError(f"{where} must be a target name, got {type(value).__name__}: {value!r}")
+    key = value.lower().replace("_", "").replace("-", "")
+    if key not in _ALIASES:
+        raise ValueError(f"unknown norm target {value!r}{where}; expected one of {list(TARGETS)}")
+    return _ALIASES[key]
+
+
+def _parse_policy(target: object) -> dict[str, Target | None]:
+    if isinstance(target, str):
+        return {"*": _parse_target(target, "")}
+    if isinstance(target, Mapping):
+        return {
+            str(k): None if v is None else _parse_target(v, f" for policy key {k!r}")
+            for k, v in target.items()
+        }
+    raise TypeError(
+        f"target must be a target name or a policy mapping, got {type(target).__name__}: "
+        f"{target!r:.80}; valid targets: {list(TARGETS)}"
+    )
+
+
+def _model_map(
+    model: nn.Module,
+    policy: dict[str, Target | None],
+    example_inputs: tuple[Any, ...] | torch.Tensor | None,
+    example_kwargs: Mapping[str, Any] | None,
+    model_map: ModelMap | None,
+) -> ModelMap:
+    if model_map is None:
+        args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+        with warnings.catch_warnings():
+            # our own warning says the same thing about norms; residual adds don't matter here
+            warnings.simplefilter("ignore", DiscoveryWarning)
+            model_map = discover(model, *(args or ()), **(example_kwargs or {}))
+    else:
+        modules = dict(model.named_modules())
+        for n in model_map.norms:
+            m = modules.get(n.path)
+            if m is None or type(m).__name__ != n.class_name:
+                now = "has no such module" if m is None else f"has a {type(m).__name__} there"
+                raise ValueError(
+                    f"model_map lists {n.class_name} at {n.path!r}, but {type(model).__name__} "
+                    f"{now}: pass the map normprobe.discover() made of this model as it is now"
+                )
+    roles = [k for k in policy if k in ROLES or k in POSITIONS]
+    if roles and not model_map.traced:
+        raise ValueError(
+            f"policy keys {roles} are roles, which discovery knows only after watching one "
+            "forward pass: pass example_inputs=(x,) (and example_kwargs=... for keyword "
+            "inputs) or model_map=normprobe.discover(model, x)"
+        )
+    return model_map
+
+
+@dataclass
+class _Source:
+    """A norm layer as discovery describes it, with every name its module is registered under."""
+
+    layer: NormLayer | None  # None for a DyT, which discovery does not list
+    module: nn.Module
+    paths: tuple[str, ...]
+    traced: bool
+    role: str | None = None
+    position: str | None = None
+
+
+def _sources(model: nn.Module, model_map: ModelMap) -> list[_Source]:
+    names: dict[int, list[str]] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), []).append(path)
+    modules = dict(model.named_modules())
+    positions = _positions(model_map) if model_map.traced else {}
+    sources = []
+    for n in model_map.norms:
+        m = modules[n.path]
+        role = n.role if model_map.traced else None
+        paths = tuple(names[id(m)])
+        sources.append(_Source(n, m, paths, model_map.traced, role, positions.get(n.path)))
+    listed = {id(s.module) for s in sources}
+    for m in modules.values():
+        if isinstance(m, DyT) and id(m) not in listed:
+            sources.append(_Source(None, m, tuple(names[id(m)]), model_map.traced))
+    return sources
+
+
+def _inside(path: str, container: str) -> bool:
+    return container == "" or path == container or path.startswith(container + ".")
+
+
+def _positions(model_map: ModelMap) -> dict[str, str]:
+    """The first norm each residual branch's output passes through: its position.
+
+    That is the branch's sandwich-post norm, else the add's post norm, else the norm reading the
+    add's result: the one where discovery reads it, else, in a sequential stack, the next add's
+    pre norm (Pre-LN's norm before the FFN, which HF Llama calls ``post_attention_layernorm``).
+    A branch holding an attention module makes it ``post-attention``; any other ``post-ffn``.
+    """
+    attention = [a.path for a in model_map.attention]
+    norm_paths = {n.path for n in model_map.norms}
+    adds = model_map.residual_adds
+    positions: dict[str, str] = {}
+    for i, add in enumerate(adds):
+        attends = any(_inside(lay, a) for lay in add.branch_layers for a in attention)
+        first = add.sandwich_norm or add.post_norm
+        if first is None and add.anchor is not None and add.anchor.hook == "pre":
+            first = add.anchor.module if add.anchor.module in norm_paths else None
+        if first is None and i + 1 < len(adds) and add.stack is not None:
+            following = adds[i + 1]
+            first = following.pre_norm if following.stack == add.stack else None
+        if first is not None:
+            positions.setdefault(first, "post-attention" if attends else "post-ffn")
+    return positions
+
+
+def _patterns(value: str | Iterable[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _matches(pattern: str, paths: tuple[str, ...]) -> bool:
+    return any(fnmatchcase(p, pattern) for p in paths)
+
+
+def _select(
+    sources: list[_Source],
+    policy: dict[str, Target | None],
+    model_map: ModelMap,
+    include: str | Iterable[str] | None,
+    exclude: str | Iterable[str] | None,
+    report: ConversionReport,
+) -> list[tuple[_Source, Target]]:
+    includes, excludes = _patterns(include), _patterns(exclude)
+    for arg, patterns in (("include", includes), ("exclude", excludes)):
+        for pat in patterns:
+            if not any(_matches(pat, s.paths) for s in sources):
+                _warn(
+                    f"{arg}={pat!r} matches no norm layer of {model_map.model_type}; "
+                    f"norm layers are at e.g. {[s.paths[0] for s in sources][:4]}"
+                )
+    globs = [k for k in policy if k != "*" and k not in ROLES and k not in POSITIONS]
+    used: set[str] = set()
+    chosen = []
+    for s in sources:
+        if includes and not any(_matches(p, s.paths) for p in includes):
+            continue
+        if any(_matches(p, s.paths) for p in excludes):
+            continue
+        key = next((g for g in globs if _matches(g, s.paths)), None)
+        if key is None and s.position in policy:
+            key = s.position
+        if key is None and s.role in policy:
+            key = s.role
+        if key is None and "*" in policy:
+            key = "*"
+        if key is None:
+            report.kept.append((s.paths[0], "no policy key selects it"))
+            continue
+        used.add(key)
+        target = policy[key]
+        if target is None:
+            report.kept.append((s.paths[0], f"policy key {key!r} leaves it"))
+        else:
+            chosen.append((s, target))
+    for key in (k for k in policy if k not in used):
+        hint = ""
+        if key not in (*ROLES, *POSITIONS, "*"):
+            hint = (
+                f" (a key is a role {list(ROLES)}, a position {list(POSITIONS)}, '*', or a "
+                "module-path glob)"
+            )
+        _warn(f"policy key {key!r} selects no norm layer of {model_map.model_type}{hint}")
+    return chosen
+
+
+# ------------------------------------------------------------------------------------------------
+# planning: decide everything and refuse before touching the model
+
+
+@dataclass(frozen=True)
+class _Options:
+    eps: float | None
+    num_groups: int
+    alpha_init: float
+    channels_first: bool
+
+
+@dataclass
+class _Plan:
+    """How one source layer becomes its replacement; built before the model is touched."""
+
+    source: _Source
+    target: Target
+    layout: Layout  # the source's statistics layout
+    out_layout: Literal["channels-last", "channels-first"]
+    shape: tuple[int, ...]  # normalized shape (channels-last) or (channels,)
+    gain: nn.Parameter | None
+    gain_name: str | None
+    bias: nn.Parameter | None
+    bias_name: str | None
+    gain_offset: float  # 1.0 for Gemma's x_hat * (1 + weight)
+    eps: float | None
+    eps_text: str
+    notes: list[str] = field(default_factory=list)
+    check_input: torch.Tensor | None = None
+    old_output: torch.Tensor | None = None
+
+
+class _Refusal(Exception):
+    pass
+
+
+_CLASS_NAMES: dict[Target, str] = {
+    "layernorm": "LayerNorm",
+    "rmsnorm": "RMSNorm",
+    "groupnorm": "GroupNorm",
+    "batchnorm": "BatchNorm",
+    "syncbatchnorm": "SyncBatchNorm",
+    "dyt": "DyT",
+    "identity": "Identity",
+}
+_STATISTICS = {
+    "batch": "the batch and its positions",
+    "spatial": "its positions",
+    "groups": "its group of channels and positions",
+}
+
+
+def _plan_all(
+    model: nn.Module,
+    chosen: list[tuple[_Source, Target]],
+    opts: _Options,
+    report: ConversionReport,
+) -> list[_Plan]:
+    plans: list[_Plan] = []
+    refusals: list[tuple[str, str]] = []
+    eps_updates: list[nn.Module] = []
+    for source, target in chosen:
+        path = source.paths[0]
+        if source.layer is not None and source.layer.kind == "unknown":
+            report.skipped.append((path, "discovery could not tell what it computes"))
+            continue
+        try:
+            plan = _plan(source, target, opts)
+        except _Refusal as err:
+            refusals.append((path, str(err)))
+            continue
+        if plan is not None:
+            plans.append(plan)
+            continue
+        why = f"already a {_CLASS_NAMES[target]}"
+        current = getattr(source.module, "eps", None)
+        if opts.eps is not None and isinstance(current, float) and current != opts.eps:
+            eps_updates.append(source.module)
+            why += f"; eps {current:g} -> {opts.eps:g}"
+        report.kept.append((path, why))
+    if refusals:
+        message = refusals[0][1]
+        if len(refusals) > 1:
+            others = [p or "<root>" for p, _ in refusals[1:]]
+            message += f" (and {len(others)} more: {others[:5]})"
+        raise ValueError(message + "; nothing was changed")
+    _check_shared_gains(model, plans)
+    for module in eps_updates:
+        setattr(module, "eps", opts.eps)  # noqa: B010 - an attribute the class does not declare
+    for plan in plans:
+        _record_old_output(plan)
+    return plans
+
+
+def _plan(s: _Source, target: Target, opts: _Options) -> _Plan | None:
+    """Everything needed to build ``s``'s replacement, or None when it already is one."""
+    m, path = s.module, s.paths[0]
+    name = f"{path or '<root>'} ({type(m).__name__})"
+    layout, shape = _source_layout(s)
+    gain_offset = (s.layer.gain_offset or 0.0) if s.layer is not None else 0.0
+    out_layout: Literal["channels-last", "channels-first"] = (
+        "channels-last" if layout == "channels-last" else "channels-first"
+    )
+    if target in ("layernorm", "rmsnorm") and layout in _STATISTICS and not opts.channels_first:
+        raise _Refusal(
+            f"{name} normalizes each of its {shape[0]} channels over {_STATISTICS[layout]}, "
+            f"but a {target} normalizes the features of one position; pass "
+            f"channels_first=True to normalize the {shape[0]} channels at every position (as "
+            "ConvNeXt's LayerNorm2d does), convert it to 'groupnorm', or exclude it "
+            f"(exclude={path!r})"
+        )
+    if target in ("groupnorm", "batchnorm", "syncbatchnorm") and layout == "channels-last":
+        raise _Refusal(
+            f"{name} normalizes the last dim of each position (channels-last), but a {target} "
+            "normalizes dim 1 of an (N, C, *) input, which here is not the channel dim; pick "
+            f"'layernorm', 'rmsnorm' or 'dyt' for it, or exclude it (exclude={path!r})"
+        )
+    if gain_offset == 0.0 and _already(m, target, layout, out_layout, opts):
+        return None
+    extra = [n for n, c in m.named_children() if not isinstance(c, nn.Identity)]
+    if extra:
+        raise _Refusal(
+            f"{name} also runs {extra} inside its forward (a fused norm and activation); "
+            f"converting it would drop them; exclude it (exclude={path!r})"
+        )
+    if target == "groupnorm" and shape[0] % opts.num_groups:
+        raise _Refusal(
+            f"{name} has {shape[0]} channels, which num_groups={opts.num_groups} does not "
+            f"divide; pass num_groups={math.gcd(shape[0], opts.num_groups)} (or another "
+            f"divisor of every converted layer's channels), or exclude it (exclude={path!r})"
+        )
+    gain_name, bias_name = _affine_names(s, name, target)
+    gain = cast(nn.Parameter | None, getattr(m, gain_name) if gain_name else None)
+    bias = cast(nn.Parameter | None, getattr(m, bias_name) if bias_name else None)
+    for what, p in (("gain", gain), ("bias", bias)):
+        if p is not None and p.numel() not in (1, math.prod(shape)):
+            raise _Refusal(
+                f"{name} has a {what} of shape {tuple(p.shape)}, which does not fit its "
+                f"{math.prod(shape)} normalized features; exclude it (exclude={path!r})"
+            )
+    src_eps = s.layer.eps if s.layer is not None else None
+    if opts.eps is not None:
+        eps: float | None = opts.eps
+        eps_text = f"eps={opts.eps:g} (given)"
+    else:
+        eps = src_eps
+        eps_text = f"eps={src_eps:g}" if src_eps is not None else ""
+    return _Plan(
+        s,
+        target,
+        layout,
+        out_layout,
+        shape,
+        gain,
+        gain_name,
+        bias,
+        bias_name,
+        gain_offset,
+        eps,
+        eps_text,
+    )
+
+
+def _source_layout(s: _Source) -> tuple[Layout, tuple[int, ...]]:
+    """The axis the source's statistics run over, and its normalized shape or ``(channels,)``."""
+    m, layer = s.module, s.layer
+    if isinstance(m, DyT):
+        return ("channels-first" if m.channels_first else "channels-last"), m.normalized_shape
+    assert layer is not None
+    gain = next((p for p in m.parameters(recurse=False) if p.ndim >= 1), None)
+    dims = layer.dims or (tuple(gain.shape) if gain is not None else ())
+    if not dims:
+        raise _Refusal(
+            f"{s.paths[0] or '<root>'} ({type(m).__name__}): cannot tell how many features it "
+            f"normalizes; pass example inputs so discovery can measure it, or exclude it"
+        )
+    layout = layer.layout
+    exact_torch = type(m).__module__.startswith("torch.")
+    if isinstance(m, LayerNorm2d | RMSNorm2d):
+        layout = "channels-first"
+    elif layer.kind in ("layernorm", "rmsnorm") and (
+        not layout or (not s.traced and not exact_torch)
+    ):
+        # without a traced forward the class tells: timm's LayerNorm2d, RmsNorm2d, ...
+        is_2d = type(m).__name__.lower().endswith(("1d", "2d", "3d"))
+        layout = "channels-first" if is_2d else "channels-last"
+    elif not layout:
+        layout = {"batchnorm": "batch", "groupnorm": "groups"}.get(layer.kind, "spatial")
+    if layout == "channels-first" and len(dims) > 1:
+        return "channels-last", dims  # statistics over all trailing dims: a plain LayerNorm
+    if layout in ("channels-first", "batch", "spatial", "groups"):
+        return cast(Layout, layout), (dims[-1],)
+    return "channels-last", dims
+
+
+def _already(m: nn.Module, target: Target, layout: Layout, out_layout: str, opts: _Options) -> bool:
+    """Whether ``m`` already is what ``target`` would build."""
+    same_axis = layout == out_layout
+    if target == "layernorm":
+        return isinstance(m, nn.LayerNorm) and same_axis
+    if target == "rmsnorm":
+        return isinstance(m, nn.RMSNorm) and same_axis
+    if target == "groupnorm":
+        return isinstance(m, nn.GroupNorm) and m.num_groups == opts.num_groups
+    if target == "batchnorm":
+        return isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+    if target == "syncbatchnorm":
+        return isinstance(m, nn.SyncBatchNorm)
+    if target == "dyt":
+        return isinstance(m, DyT) and m.channels_first == (out_layout == "channels-first")
+    return False
+
+
+def _affine_names(s: _Source, name: str, target: Target) -> tuple[str | None, str | None]:
+    """Which of the layer's own parameters is the gain (gamma) and which the bias (beta)."""
+    params = [n for n, _ in s.module.named_parameters(recurse=False)]
+    if isinstance(s.module, DyT):
+        params.remove("alpha")  # DyT's own scalar: dropped by any other target
+    lowered = {n.lower(): n for n in params}
+    gain = next((lowered[n] for n in _GAIN_NAMES if n in lowered), None)
+    bias = next((lowered[n] for n in _BIAS_NAMES if n in lowered), None)
+    rest = [n for n in params if n not in (gain, bias)]
+    if gain is None and len(rest) == 1:
+        gain = rest.pop()
+    if rest:
+        raise _Refusal(
+            f"{name} has parameters {rest} besides a gain and a bias, which a {target} has no "
+            f"place for; exclude it (exclude={s.paths[0]!r})"
+        )
+    return gain, bias
+
+
+def _check_shared_gains(model: nn.Module, plans: list[_Plan]) -> None:
+    """A gain shifted in place (Gemma) must not also serve a layer that is not converted."""
+    shifted = {id(p.gain): p for p in plans if p.gain_offset and p.gain is not None}
+    if not shifted:
+        return
+    converting = {id(p.source.module) for p in plans}
+    for path, m in model.named_modules():
+        if id(m) in converting:
+            continue
+        for pname, param in m.named_parameters(recurse=False):
+            if id(param) in shifted:
+                plan = shifted[id(param)]
+                raise ValueError(
+                    f"{plan.source.paths[0]}.{plan.gain_name} is also {path}.{pname}, which is "
+                    "not being converted; folding Gemma's 1 + weight into it would change that "
+                    "layer too: convert both (include both paths) or neither; nothing was changed"
+                )
+
+
+def _reference(m: nn.Module) -> torch.Tensor | None:
+    return next((t for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))), None)
+
+
+def _record_old_output(plan: _Plan) -> None:
+    """For a same-kind conversion, run the old layer on a random input to compare later."""
+    kind = plan.source.layer.kind if plan.source.layer is not None else "dyt"
+    if kind != plan.target or kind not in ("layernorm", "rmsnorm", "dyt"):
+        return
+    ref = _reference(plan.source.module)
+    dtype = ref.dtype if ref is not None and ref.is_floating_point() else torch.float32
+    device = ref.device if ref is not None else torch.device("cpu")
+    if device.type == "meta":
+        return
+    shape = (2, 3, *plan.shape) if plan.out_layout == "channels-last" else (2, plan.shape[0], 3, 3)
+    gen = torch.Generator().manual_seed(0)  # the caller's random stream stays untouched
+    x = (torch.randn(shape, generator=gen) * 2 + 0.5).to(device, dtype)
+    try:
+        with torch.no_grad():
+            y = plan.source.module.forward(x)  # forward, not __call__: the layer's hooks stay quiet
+    except Exception:  # a layer needing more inputs than x: nothing to compare
+        return
+    if isinstance(y, torch.Tensor) and y.shape == x.shape:
+        plan.check_input, plan.old_output = x, y
+
+
+# ------------------------------------------------------------------------------------------------
+# building and committing
+
+
+@dataclass
+class _Built:
+    plan: _Plan
+    module: nn.Module
+    carried: list[str]
+    dropped: list[str]
+    created: list[str]
+    shift: nn.Parameter | None  # a reused gain to add the gain offset to, in place
+
+
+def _build(plan: _Plan, opts: _Options, fallback: torch.Tensor | None) -> _Built:
+    """The replacement module; ``fallback`` gives device and dtype when the old one has none."""
+    old, target = plan.source.module, plan.target
+    ref = _reference(old)
+    ref = fallback if ref is None else ref
+    device = ref.device if ref is not None else None
+    dtype = ref.dtype if ref is not None and ref.is_floating_point() else None
+    affine = plan.gain is not None or plan.bias is not None
+    channels = plan.shape[0]
+    cf = plan.out_layout == "channels-first"
+    old_bn = (
+        old if isinstance(old, _BatchNorm) and target in ("batchnorm", "syncbatchnorm") else None
+    )
+    new: nn.Module
+    if target == "identity":
+        new = nn.Identity()
+    elif target == "layernorm":
+        cls = LayerNorm2d if cf else nn.LayerNorm
+        new = cls(
+            plan.shape,
+            eps=1e-5 if plan.eps is None else plan.eps,
+            elementwise_affine=affine,
+            bias=plan.bias is not None,
+            device=device,
+            dtype=dtype,
+        )
+    elif target == "rmsnorm":
+        rms_cls = RMSNorm2d if cf else nn.RMSNorm
+        new = rms_cls(
+            plan.shape, eps=plan.eps, elementwise_affine=affine, device=device, dtype=dtype
+        )
+    elif target == "groupnorm":
+        eps = 1e-5 if plan.eps is None else plan.eps
+        new = nn.GroupNorm(opts.num_groups, channels, eps, affine, device=device, dtype=dtype)
+    elif target in ("batchnorm", "syncbatchnorm"):
+        bn_cls: type[_BatchNorm] = nn.SyncBatchNorm if target == "syncbatchnorm" else BatchNormNd
+        new = bn_cls(
+            channels,
+            eps=1e-5 if plan.eps is None else plan.eps,
+            momentum=old_bn.momentum if old_bn is not None else 0.1,
+            affine=affine,
+            track_running_stats=old_bn.track_running_stats if old_bn is not None else True,
+            device=device,
+            dtype=dtype,
+        )
+    else:
+        new = DyT(
+            plan.shape,
+            opts.alpha_init,
+            channels_first=cf,
+            elementwise_affine=plan.gain is not None,
+            bias=plan.bias is not None,
+            device=device,
+            dtype=dtype,
+        )
+    built = _Built(plan, new, [], [], [], None)
+    _place(built, "weight", plan.gain, plan.gain_name, plan.gain_offset)
+    _place(built, "bias", plan.bias, plan.bias_name, 0.0)
+    layer = plan.source.layer
+    if plan.eps_text and hasattr(new, "eps"):
+        built.carried.append(plan.eps_text)
+        if layer is not None and layer.eps_placement == "outside-sqrt":
+            plan.notes.append("eps moved inside the square root (it was added to the RMS/std)")
+    elif plan.eps_text:
+        built.dropped.append("eps")
+    for name, buf in old.named_buffers(recurse=False):
+        if old_bn is not None:
+            setattr(new, name, buf)  # the same tensors, as convert_sync_batchnorm does
+            built.carried.append(name)
+        else:
+            built.dropped.append(name)
+    if isinstance(new, _BatchNorm) and old_bn is None:
+        plan.notes.append("new BatchNorm running statistics start at mean 0, var 1")
+    for name in ("alpha",) if isinstance(old, DyT) and not isinstance(new, DyT) else ():
+        built.dropped.append(name)
+    for name, _ in new.named_parameters(recurse=False):
+        if name not in ("weight", "bias"):
+            built.created.append(name)
+    old_params = list(old.parameters(recurse=False))
+    trainable = any(p.requires_grad for p in old_params) if old_params else True
+    for name in built.created:
+        getattr(new, name).requires_grad_(trainable)  # a frozen layer stays frozen
+    new.train(old.training)
+    return built
+
+
+def _place(
+    built: _Built, attr: str, param: nn.Parameter | None, name: str | None, offset: float
+) -> None:
+    """Put the old gain or bias into the new module: the same Parameter where shapes match."""
+    new = built.module
+    slot = new._parameters.get(attr) if attr in new._parameters else None
+    if param is None or name is None:
+        if slot is not None:
+            built.created.append(attr)
+        return
+    if slot is None:
+        built.dropped.append(name)
+        return
+    label = name if name == attr else f"{name}->{attr}"
+    if offset:
+        built.plan.notes.append(
+            "a 1 + weight gain (Gemma) is now stored as weight (old weight + 1)"
+        )
+    if param.shape == slot.shape:
+        setattr(new, attr, param)
+        built.carried.append(label)
+        if offset:
+            built.shift = param
+        return
+    # a scalar or differently shaped gain: copy its values into a new Parameter
+    with torch.no_grad():
+        value = param.detach().reshape(-1).expand(slot.numel()).reshape(slot.shape) + offset
+    setattr(new, attr, nn.Parameter(value.clone(), requires_grad=param.requires_grad))
+    built.carried.append(label)
+    built.created.append(attr)
+    built.plan.notes.append(
+        f"{name} of shape {tuple(param.shape)} copied into a new {attr} of shape "
+        f"{tuple(slot.shape)}"
+    )
+
+
+def _carry_hooks(old: nn.Module, new: nn.Module) -> int:
+    """Move forward/backward hooks by sharing the hook dicts, so old handles still remove them."""
+    count = 0
+    for attr in _HOOK_ATTRS:
+        hooks = getattr(old, attr)
+        if attr in (
+            "_forward_pre_hooks",
+            "_forward_hooks",
+            "_backward_pre_hooks",
+            "_backward_hooks",
+        ):
+            count += len(hooks)
+        setattr(new, attr, hooks)
+    new._is_full_backward_hook = old._is_full_backward_hook
+    return count
+
+
+def _commit(
+    model: M,
+    plans: list[_Plan],
+    opts: _Options,
+    optimizer: torch.optim.Optimizer | None,
+    report: ConversionReport,
+) -> M:
+    params_before = dict(_named_params(model))
+    state_before = model.state_dict(keep_vars=True)
+    group_of = _groups(optimizer)
+    fallback = next((p for p in model.parameters() if p.is_floating_point()), None)
+    built = [_build(plan, opts, fallback) for plan in plans]
+    with torch.no_grad():
+        shifted: set[int] = set()
+        for b in built:
+            if b.shift is not None and id(b.shift) not in shifted:  # a tied gain moves once
+                b.shift.add_(b.plan.gain_offset)
+                shifted.add(id(b.shift))
+    new_of = {id(b.plan.source.module): b.module for b in built}
+    # collect every registration first, then assign: never mutate while iterating
+    swaps = [
+        (parent, name, new_of[id(child)])
+        for parent in model.modules()
+        for name, child in parent._modules.items()
+        if child is not None and id(child) in new_of
+    ]
+    for parent, name, new in swaps:
+        parent.add_module(name, new)
+    result = cast(M, new_of.get(id(model), model))  # a root norm is replaced by a new object
+    for b in built:
+        hooks = _carry_hooks(b.plan.source.module, b.module)
+        if hooks:
+            b.plan.notes.append(f"{hooks} hook(s) carried over to the new layers")
+        report.conversions.append(_conversion(b))
+    params_after = dict(_named_params(result))
+    created = [p for i, (_, p) in params_after.items() if i not in params_before]
+    removed = [p for i, (_, p) in params_before.items() if i not in params_after]
+    report.new_parameters = [n for i, (n, _) in params_after.items() if i not in params_before]
+    report.removed_parameters = [n for i, (n, _) in params_before.items() if i not in params_after]
+    _key_changes(state_before, result.state_dict(keep_vars=True), report)
+    if optimizer is not None and (created or removed):
+        owner = {id(p): b for b in built for p in b.module.parameters(recurse=False)}
+        _update_optimizer(optimizer, created, removed, owner, group_of)
+        report.optimizer_updated = True
+    elif created:
+        _warn(
+            f"convert_norms created {len(created)} new parameters (e.g. "
+            f"{report.new_parameters[0]!r}) that no existing optimizer holds; pass "
+            "optimizer=opt to add them to it, or build the optimizer after this call"
+        )
+    return result
+
+
+def _named_params(model: nn.Module) -> Iterable[tuple[int, tuple[str, nn.Parameter]]]:
+    return ((id(p), (n, p)) for n, p in model.named_parameters())
+
+
+def _groups(optimizer: torch.optim.Optimizer | None) -> dict[int, dict[str, Any]]:
+    if optimizer is None:
+        return {}
+    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+
+def _update_optimizer(
+    optimizer: torch.optim.Optimizer,
+    created: list[nn.Parameter],
+    removed: list[nn.Parameter],
+    owner: dict[int, _Built],
+    group_of: dict[int, dict[str, Any]],
+) -> None:
+    """Drop removed parameters; add each new one to the group of its old layer's parameters."""
+    gone = {id(p) for p in removed}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in gone]
+    for p in removed:
+        optimizer.state.pop(p, None)
+    orphans = []
+    for p in created:
+        old = owner[id(p)].plan.source.module
+        groups = [group_of[id(q)] for q in old.parameters() if id(q) in group_of]
+        if not groups:
+            orphans.append(p)
+        else:
+            groups[0]["params"].append(p)
+    if orphans:  # the old layer had no parameters in the optimizer: use its defaults
+        optimizer.add_param_group({"params": orphans})
+
+
+def _key_changes(before: dict[str, Any], after: dict[str, Any], report: ConversionReport) -> None:
+    gone = [k for k in before if k not in after]
+    new = [k for k in after if k not in before]
+    by_tensor: dict[int, list[str]] = {}
+    for k in new:
+        by_tensor.setdefault(id(after[k]), []).append(k)
+    for k in gone:
+        candidates = by_tensor.get(id(before[k]))
+        if candidates:
+            report.renamed_keys[k] = candidates.pop(0)
+    report.removed_keys = [k for k in gone if k not in report.renamed_keys]
+    renamed_to = set(report.renamed_keys.values())
+    report.added_keys = [k for k in new if k not in renamed_to]
+
+
+def _conversion(b: _Built) -> Conversion:
+    plan = b.plan
+    diff = None
+    if plan.check_input is not None and plan.old_output is not None:
+        with torch.no_grad():
+            y = b.module.forward(plan.check_input)
+        diff = float((y.double() - plan.old_output.double()).abs().max())
+        # a few roundings at the output's size: HF norms compute in fp32 and cast back
+        scale = max(1.0, float(plan.old_output.abs().max()))
+        if not diff <= max(1e-4, 4 * torch.finfo(y.dtype).eps) * scale:
+            _warn(
+                f"{plan.source.paths[0]}: the new {type(b.module).__name__} differs from the old "
+                f"{type(plan.source.module).__name__} by up to {diff:.3g} on a random input; "
+                "check what the old layer computes (convert_norms_with_report shows the details)"
+            )
+    layer = plan.source.layer
+    return Conversion(
+        path=plan.source.paths[0],
+        aliases=plan.source.paths[1:],
+        source=type(plan.source.module).__name__,
+        kind=layer.kind if layer is not None else "dyt",
+        target=plan.target,
+        result=type(b.module).__name__,
+        carried=tuple(b.carried),
+        dropped=tuple(b.dropped),
+        created=tuple(b.created),
+        notes=tuple(plan.notes),
+        max_abs_diff=diff,
+    )
