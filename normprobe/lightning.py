@@ -139,9 +139,9 @@ class NormProbe(Callback):
 
     def _first_forward(self, trainer: Trainer) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if "forward" in vars(module):
-                # Lightning's DDP/FSDP strategies call the module with forward redirected to
-                # training_step: not the model's own forward, wait for it
+            if module is trainer.lightning_module and "forward" in vars(module):
+                # Lightning's DDP/FSDP strategies call the LightningModule with forward
+                # redirected to training_step: not the model's own forward, wait for it
                 return
             self._stop_waiting()
             self._start(trainer, module, args, kwargs)

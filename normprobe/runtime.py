@@ -319,6 +319,11 @@ class Probe:
                 m = modules[n.path]
                 if isinstance(m, _BatchNorm) and m.running_mean is not None:
                     at(n.path).batchnorm = self._batchnorm_reader(n.path, m)
+        if self.persistent_hooks:
+            # torch function modes would break a compiled graph: no attention logits, and no
+            # residual read from inside a forward, on compiled models
+            for site in sites.values():
+                site.attention, site.inside = None, {}
         plan = [
             thunk
             for path, site in sites.items()
@@ -473,20 +478,27 @@ class Probe:
         self._begin_forward()
 
     def _begin_forward(self) -> None:
-        wanted = self._validating or (self._logged and not self.paused)
-        self._recording = wanted and not self._removed and self.model_map is not None
+        if self.persistent_hooks:
+            # Compiled models: every forward runs the same hooks on the same Python state, so
+            # the graph never changes; only the logged steps' values are read back.
+            self._recording = self.model_map is not None and not self._removed
+            self._pending.clear()
+        else:
+            wanted = self._validating or (self._logged and not self.paused)
+            self._recording = wanted and not self._removed and self.model_map is not None
         if self._recording:
             self._calls.clear()
             self._prev_stream.clear()
             self._exec_index = 0
-            self._arm()
+            if not self.persistent_hooks:
+                self._arm()
 
     def _root_post(self, *_: Any) -> None:
-        self._recording = False
         self._validating = False
         self._prev_stream.clear()
-        self._exit_modes()
         if not self.persistent_hooks:
+            self._recording = False
+            self._exit_modes()
             self._disarm()
 
     def _arm(self) -> None:

@@ -28,10 +28,7 @@ def read_events(log_dir: str) -> Events:
         for t in tags["histograms"]
     }
     texts = {t: [e.step for e in acc.Tensors(t)] for t in tags["tensors"] if "text" in t}
-    layouts = []
-    for content in acc.PluginTagToContent("custom_scalars").values():
-        layouts.append(layout_pb2.Layout.FromString(content))
-    # a layout is stored as a tensor summary; count how many were written
+    # a layout is a tensor summary under this tag; count how many were written
     raw = [e for t in tags["tensors"] if t == "custom_scalars__config__" for e in acc.Tensors(t)]
-    layouts = [layout_pb2.Layout.FromString(e.tensor_proto.string_val[0]) for e in raw] or layouts
+    layouts = [layout_pb2.Layout.FromString(e.tensor_proto.string_val[0]) for e in raw]
     return Events(scalars, histograms, texts, layouts)
