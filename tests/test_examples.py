@@ -1,0 +1,25 @@
+"""The examples run as a user runs them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tb import read_events
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def test_lightning_transformer_example(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "lightning_transformer.py"), "--steps", "12",
+         "--root", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "lightning_logs" / "version_0"
+    assert f"tensorboard --logdir {run}" in done.stdout
+    events = read_events(str(run))
+    assert [s for s, _ in events.scalars["normprobe/grad_ratio/model.blocks"]] == [0, 9]
+    assert [s for s, _ in events.scalars["train_loss"]] == [9]
