@@ -11,7 +11,16 @@ from .discovery import (
     discover,
     discover_on_first_forward,
 )
+from .init import (
+    BranchScale,
+    FixupScalars,
+    branch_scales,
+    insert_branch_scale,
+    reinit,
+    remove_branch_scale,
+)
 from .layers import DyT
+from .muparam import CoordTable, MupShape, coord_check, mup, mup_param_groups, mup_shapes
 from .runtime import METRICS, Probe, attach
 from .sinks import Record, TensorBoardSink
 from .surgery import (
@@ -40,12 +49,16 @@ __all__ = [
     "METRICS",
     "Anchor",
     "Attention",
+    "BranchScale",
     "Conversion",
     "ConversionReport",
     "ConversionWarning",
+    "CoordTable",
     "DiscoveryWarning",
     "DyT",
+    "FixupScalars",
     "ModelMap",
+    "MupShape",
     "NormLayer",
     "NormProbe",
     "Probe",
@@ -55,8 +68,16 @@ __all__ = [
     "TensorBoardSink",
     "__version__",
     "attach",
+    "branch_scales",
     "convert_norms",
     "convert_norms_with_report",
+    "coord_check",
     "discover",
     "discover_on_first_forward",
+    "insert_branch_scale",
+    "mup",
+    "mup_param_groups",
+    "mup_shapes",
+    "reinit",
+    "remove_branch_scale",
 ]

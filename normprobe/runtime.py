@@ -793,7 +793,7 @@ class Probe:
             return
         first = bad[0][1] or "<root>"
         record.texts[f"{PREFIX}/nonfinite/first"] = first
-        if not self._warned_nonfinite:
+        if not self._warned_nonfinite and self._is_writer():
             self._warned_nonfinite = True
             warnings.warn(
                 f"normprobe: NaN/Inf first appeared in the output of {first} "
@@ -853,7 +853,7 @@ class Probe:
             missing.append("no norm layers (norm_rms, norm_gain)")
         if not model_map.stacks and {"grad_norm", "update_ratio"} & set(self.metrics):
             missing.append("no stacks of blocks (grad_norm, update_ratio)")
-        if missing:
+        if missing and self._is_writer():
             warnings.warn(
                 f"normprobe: {model_map.model_type} has {'; '.join(missing)}: "
                 "logging the other metrics",

@@ -1,0 +1,1064 @@
+"""Re-initialization schemes and residual-branch scalers, placed through discovery.
+
+`reinit` rewrites the existing parameters in place with ``torch.nn.init`` (the same Parameter
+objects, so an optimizer built earlier stays valid). `insert_branch_scale` wraps the last module
+of every residual branch in a `BranchScale`. Which layers write into the residual stream, how many
+blocks a stack has and how many layers a branch has all come from `normprobe.discover`; no layer
+is found by its attribute name.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal, TypeVar, get_args
+
+import torch
+from torch import nn
+
+from .discovery import DiscoveryWarning, ModelMap, NormLayer, ResidualAdd, discover
+
+Scheme = Literal["gpt2", "fixup", "deepnorm", "kaiming", "xavier", "zero_branch"]
+BranchScaleKind = Literal["rezero", "layerscale", "skipinit"]
+SCHEMES: tuple[str, ...] = get_args(Scheme)
+BRANCH_SCALES: tuple[str, ...] = get_args(BranchScaleKind)
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+_TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, *_TRANSPOSED_CONVS)
+
+
+# --------------------------------------------------------------------------------------------
+# Weight layouts
+# --------------------------------------------------------------------------------------------
+
+
+def is_transposed(module: nn.Module) -> bool:
+    """Whether ``module`` stores its weight as ``(in, out, ...)`` rather than ``(out, in, ...)``.
+
+    True for Hugging Face's ``Conv1D`` (GPT-2), transposed convolutions and embeddings (a table
+    of ``num_embeddings`` rows: one input per row, ``embedding_dim`` outputs).
+    """
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag, *_TRANSPOSED_CONVS)):
+        return True
+    return any(c.__name__ == "Conv1D" for c in type(module).__mro__)
+
+
+def out_in_view(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """A view of ``weight`` laid out ``(out, in, *kernel)``, as ``torch.nn.init`` assumes."""
+    if weight.ndim >= 2 and is_transposed(module):
+        return weight.transpose(0, 1)
+    return weight
+
+
+def _out_dim(module: nn.Module) -> int:
+    return 1 if is_transposed(module) else 0
+
+
+def _direct(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return list(module.named_parameters(recurse=False))
+
+
+def _is_weight_layer(module: nn.Module) -> bool:
+    """A leaf module holding a matrix or kernel (Linear, Conv, Conv1D, Embedding), or MHA."""
+    if not any(p.ndim >= 2 for _, p in _direct(module)):
+        return False
+    return isinstance(module, nn.MultiheadAttention) or not any(True for _ in module.children())
+
+
+# --------------------------------------------------------------------------------------------
+# Branch scalers (modules inserted by surgery)
+# --------------------------------------------------------------------------------------------
+
+
+class _Wrapper(nn.Module):
+    """Calls ``inner`` and reads unknown attributes (``weight``, ``in_features``) from it."""
+
+    inner: nn.Module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("inner")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+
+class BranchScale(_Wrapper):
+    """``inner(x) * scale``: a scalar or per-channel factor on the end of a residual branch.
+
+    Inserted by `insert_branch_scale` (learnable ``scale`` parameter) and by
+    ``reinit(model, "deepnorm")`` (a fixed ``1/alpha`` buffer). ``channel_dim`` is the dim a
+    per-channel ``scale`` runs along (-1 for ``(..., C)`` outputs, 1 for ``(N, C, ...)``).
+    """
+
+    scale: torch.Tensor
+
+    def __init__(
+        self,
+        inner: nn.Module,
+        kind: str,
+        value: torch.Tensor,
+        channel_dim: int = -1,
+        learnable: bool = True,
+        gain_offset: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.inner = inner
+        self.kind = kind
+        self.channel_dim = channel_dim
+        self.gain_offset = gain_offset  # set when ``inner`` is a norm: how to fold into its gain
+        if learnable:
+            self.scale = nn.Parameter(value)
+        else:
+            self.register_buffer("scale", value)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = self.inner(*args, **kwargs)
+        scale = self.scale
+        if scale.ndim == 1 and self.channel_dim != -1:
+            scale = scale.view(-1, *([1] * (out.ndim - 1 - self.channel_dim)))
+        return out * scale
+
+    def extra_repr(self) -> str:
+        shape = "scalar" if self.scale.ndim == 0 else f"per-channel {self.scale.numel()}"
+        return f"kind={self.kind}, {shape}, channel_dim={self.channel_dim}"
+
+
+class FixupScalars(_Wrapper):
+    """``inner(x + bias_in) (* scale) + bias_out``: Fixup's scalar biases and multiplier.
+
+    ``scale`` exists only on the last layer of a branch (``last=True``).
+    """
+
+    def __init__(self, inner: nn.Module, last: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        like = next(inner.parameters())
+        self.bias_in = nn.Parameter(torch.zeros((), dtype=like.dtype, device=like.device))
+        self.bias_out = nn.Parameter(torch.zeros((), dtype=like.dtype, device=like.device))
+        self.scale = (
+            nn.Parameter(torch.ones((), dtype=like.dtype, device=like.device)) if last else None
+        )
+
+    def reset(self) -> None:
+        with torch.no_grad():
+            self.bias_in.zero_()
+            self.bias_out.zero_()
+            if self.scale is not None:
+                self.scale.fill_(1.0)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = self.inner(x + self.bias_in, *args, **kwargs)
+        if self.scale is not None:
+            out = out * self.scale
+        return out + self.bias_out
+
+
+def branch_scales(model: nn.Module) -> dict[str, BranchScale]:
+    """Every `BranchScale` in ``model``, by path.
+
+    Example::
+
+        >>> {p: s.kind for p, s in normprobe.branch_scales(model).items()}
+    """
+    return {p: m for p, m in model.named_modules() if isinstance(m, BranchScale)}
+
+
+def remove_branch_scale(model: ModuleT, *, fold: bool = True) -> ModuleT:
+    """Take out every `BranchScale`, putting the wrapped module back in its place.
+
+    Args:
+        model: a model with branch scalers.
+        fold: multiply each scale into the wrapped layer's weight and bias (or the wrapped norm's
+            gain and bias) first, so the model computes the same function, as
+            ``remove_parametrizations(leave_parametrized=True)`` keeps the value. ``False`` drops
+            the scale.
+
+    Returns:
+        ``model``, changed in place.
+
+    Raises:
+        ValueError: ``fold=True`` and a scale sits on a module without a gain to fold into.
+
+    Example::
+
+        >>> model = normprobe.remove_branch_scale(model)   # after training with LayerScale
+    """
+    found = branch_scales(model)
+    if fold:
+        for path, wrapper in found.items():
+            _fold(path, wrapper)
+    replacements = [(path, wrapper.inner) for path, wrapper in found.items()]
+    for path, inner in replacements:
+        _replace(model, path, inner)
+    return model
+
+
+def _fold(path: str, wrapper: BranchScale) -> None:
+    inner = wrapper.inner
+    scale = wrapper.scale.detach()
+    with torch.no_grad():
+        if _is_weight_layer(inner):
+            for _, p in _direct(inner):
+                dim = _out_dim(inner) if p.ndim >= 2 else 0
+                p.mul_(scale if scale.ndim == 0 else _along(scale, dim, p.ndim))
+            return
+        params = _direct(inner)
+        if wrapper.gain_offset is None or not params:
+            raise ValueError(
+                f"cannot fold the scale at {path!r} into {type(inner).__name__}, which has no "
+                "gain; pass fold=False to drop the scale instead"
+            )
+        for name, p in params:
+            if _is_bias_name(name):
+                p.mul_(scale)
+            else:
+                offset = wrapper.gain_offset
+                p.copy_((p + offset) * scale - offset)
+
+
+def _along(vector: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
+    shape = [1] * ndim
+    shape[dim] = -1
+    return vector.view(shape)
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    if not path:
+        raise ValueError("cannot replace the root module of the model")
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    setattr(parent, name, new)
+
+
+def _is_bias_name(name: str) -> bool:
+    low = name.lower()
+    return "bias" in low or low in ("beta", "shift", "offset")
+
+
+# --------------------------------------------------------------------------------------------
+# What a scheme works on: the model, its map and (when needed) one forward
+# --------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _observing(model: nn.Module) -> Iterator[None]:
+    """Eval mode, no grad, forked RNGs; buffers (BatchNorm statistics) and modes restored."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    modes = [(m, m.training) for m in model.modules()]
+    cuda = sorted(
+        {t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.is_cuda}
+    )
+    try:
+        model.eval()
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            yield
+    finally:
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+        for m, mode in modes:
+            m.training = mode
+
+
+class _Target:
+    """A model with its (lazily discovered) map and example inputs."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        what: str,
+        example_inputs: Sequence[Any] | Any,
+        example_kwargs: Mapping[str, Any] | None,
+        model_map: ModelMap | None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{what} needs a torch.nn.Module, got {type(model).__qualname__}")
+        if isinstance(example_inputs, torch.Tensor):
+            example_inputs = (example_inputs,)
+        self.model = model
+        self.what = what
+        self.args = tuple(example_inputs)
+        self.kwargs = dict(example_kwargs or {})
+        self._map = model_map
+        if model_map is not None:
+            self._check_map(model_map)
+
+    @property
+    def has_inputs(self) -> bool:
+        return bool(self.args or self.kwargs)
+
+    @property
+    def map(self) -> ModelMap:
+        if self._map is None:
+            with warnings.catch_warnings():
+                # a norm-free model (Fixup's use case) is expected here, not worth a warning
+                warnings.simplefilter("ignore", DiscoveryWarning)
+                self._map = discover(self.model, *self.args, **self.kwargs)
+        return self._map
+
+    def _check_map(self, m: ModelMap) -> None:
+        modules = dict(self.model.named_modules())
+        stale = [
+            p
+            for a in m.residual_adds
+            for p in a.branch_layers
+            if p not in modules or not _is_weight_layer(modules[p])
+        ]
+        stale += [
+            n.path
+            for n in m.norms
+            if n.path not in modules or isinstance(modules[n.path], _Wrapper)
+        ]
+        if stale:
+            raise ValueError(
+                f"model_map does not describe this model: {stale[0]!r} is no longer the layer it "
+                f"mapped ({len(stale)} such paths). Modules were replaced after discovery; "
+                "rediscover with normprobe.discover(model, ...) or pass example_inputs instead"
+            )
+
+    def adds(self) -> list[ResidualAdd]:
+        m = self.map
+        if not m.traced:
+            raise ValueError(
+                f"{self.what} needs the model's residual branches, which discovery finds by "
+                "running one forward pass: pass example_inputs=(...) (and example_kwargs={...}) "
+                "or model_map=normprobe.discover(model, *inputs)"
+            )
+        if not m.residual_adds:
+            raise ValueError(
+                f"{self.what} needs residual branches, but discovery found no residual adds "
+                f"(x + f(x)) in one forward of {type(self.model).__name__} ({len(m.stacks)} "
+                f"stacks, {len(m.norms)} norms, head {m.head!r}); schemes 'kaiming' and 'xavier' "
+                "work without them"
+            )
+        return m.residual_adds
+
+    def module(self, path: str) -> nn.Module:
+        return self.model.get_submodule(path)
+
+    def weight_layers(self, embeddings: bool = True) -> list[tuple[str, nn.Module]]:
+        norms = {n.path for n in self.map.norms}
+        return [
+            (path, m)
+            for path, m in self.model.named_modules()
+            if path not in norms
+            and _is_weight_layer(m)
+            and (embeddings or not isinstance(m, nn.Embedding | nn.EmbeddingBag))
+        ]
+
+    def layer_params(self) -> list[tuple[nn.Module, nn.Parameter]]:
+        """(layer, parameter) of every non-embedding weight layer, each parameter once; a
+        parameter tied to an embedding (a GPT-2 ``lm_head``) counts as the embedding's."""
+        embedded = {
+            id(p)
+            for _, m in self.weight_layers()
+            if isinstance(m, nn.Embedding | nn.EmbeddingBag)
+            for _, p in _direct(m)
+        }
+        seen: set[int] = set()
+        found = []
+        for _, m in self.weight_layers(embeddings=False):
+            for _, p in _direct(m):
+                if id(p) not in embedded and id(p) not in seen:
+                    seen.add(id(p))
+                    found.append((m, p))
+        return found
+
+    def depth(self, add: ResidualAdd) -> int:
+        """Blocks in the add's stack (the deepest stack, or the number of adds, outside one)."""
+        m = self.map
+        if add.stack is not None:
+            return m.stack(add.stack).depth
+        return max((s.depth for s in m.stacks), default=len(m.residual_adds))
+
+    def reset_norms(self) -> None:
+        """Norm gains to 1 (Gemma's ``1 + weight``: weight 0) and norm biases to 0."""
+        for n in self.map.norms:
+            _set_norm(self.module(n.path), n, gain=1.0)
+
+    def require_inputs(self, why: str) -> None:
+        if not self.has_inputs:
+            raise ValueError(
+                f"{self.what} runs the model once to {why}: pass example_inputs=(...) "
+                "(and example_kwargs={...})"
+            )
+
+    def call_order(self, paths: set[str]) -> list[str]:
+        """The order in which the modules at ``paths`` run in one forward (one entry a call)."""
+        self.require_inputs("see which module ends each residual branch")
+        order: list[str] = []
+        handles = []
+        try:
+            for path in paths:
+                handles.append(
+                    self.module(path).register_forward_hook(
+                        lambda _m, _args, _out, path=path: order.append(path)
+                    )
+                )
+            with _observing(self.model):
+                self.model(*self.args, **self.kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        return order
+
+
+def _set_norm(module: nn.Module, norm: NormLayer, gain: float) -> None:
+    offset = norm.gain_offset or 0.0
+    with torch.no_grad():
+        for name, p in _direct(module):
+            if _is_bias_name(name):
+                p.zero_()
+            else:
+                p.fill_(gain - offset)
+
+
+def _zero(module: nn.Module) -> None:
+    with torch.no_grad():
+        for _, p in _direct(module):
+            p.zero_()
+
+
+def _parent_wrapper(model: nn.Module, path: str) -> nn.Module | None:
+    parent_path, dot, _ = path.rpartition(".")
+    if not dot:
+        return None
+    parent = model.get_submodule(parent_path)
+    return parent if isinstance(parent, _Wrapper) and path.endswith(".inner") else None
+
+
+def _branch_ends(t: _Target, adds: Sequence[ResidualAdd]) -> dict[int, str]:
+    """For each add (by index), the last module on its branch: its last weight layer, or the norm
+    that follows that layer on the branch (a sandwich norm, ResNet's BatchNorm after conv2)."""
+    norms = {n.path: n for n in t.map.norms}
+    ends: dict[int, str] = {}
+    pending: list[int] = []
+    for i, a in enumerate(adds):
+        if a.branch_out is None:
+            continue
+        if a.sandwich_norm is not None:
+            ends[i] = a.sandwich_norm
+        elif any(n.role == "branch" for n in norms.values()):
+            pending.append(i)
+        else:
+            ends[i] = a.branch_out
+    if pending:
+        watched = {p for p, _ in t.weight_layers()} | {
+            p for p, n in norms.items() if n.role == "branch"
+        }
+        order = t.call_order(watched)
+        for i in pending:
+            out = adds[i].branch_out
+            assert out is not None
+            end = out
+            if out in order:
+                for path in order[order.index(out) + 1 :]:
+                    if path not in norms:
+                        break
+                    end = path
+            ends[i] = end
+    return ends
+
+
+def _channels(t: _Target, path: str) -> tuple[int, int, float | None]:
+    """(channels, channel dim, gain offset if a norm) of the module output at ``path``."""
+    module = t.module(path)
+    norm = next((n for n in t.map.norms if n.path == path), None)
+    if norm is not None:
+        channel_dim = -1 if norm.layout == "channels-last" else 1
+        count = norm.dims[0] if norm.dims else 0
+        return count, channel_dim, norm.gain_offset
+    weight = next(p for _, p in _direct(module) if p.ndim >= 2)
+    channel_dim = 1 if isinstance(module, _CONVS) else -1
+    return weight.shape[_out_dim(module)], channel_dim, None
+
+
+def _scale_value(like: torch.Tensor, value: float, channels: int | None) -> torch.Tensor:
+    shape = () if channels is None else (channels,)
+    return torch.full(shape, value, dtype=like.dtype, device=like.device)
+
+
+# --------------------------------------------------------------------------------------------
+# reinit
+# --------------------------------------------------------------------------------------------
+
+_ALIASES = {s.replace("_", ""): s for s in SCHEMES}
+
+
+def reinit(
+    model: ModuleT,
+    scheme: Scheme,
+    *,
+    example_inputs: Sequence[Any] | Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    model_map: ModelMap | None = None,
+    **options: Any,
+) -> ModuleT:
+    """Re-initialize ``model`` in place with a named scheme, and return it.
+
+    The existing tensors are overwritten with ``torch.nn.init`` (so the same Parameter objects
+    stay, and an optimizer built earlier stays valid; Hugging Face's own init skips weights loaded
+    by ``from_pretrained``, this does not). Weight layers are leaf modules with a matrix or kernel
+    (Linear, Conv, HF's transposed ``Conv1D``, Embedding); fan-in and fan-out follow each layer's
+    layout. Bare parameters of container modules (ViT's ``pos_embed``, LayerScale gammas) are
+    left alone.
+
+    Schemes and their options:
+
+    * ``gpt2`` (``std=0.02``, ``n_layers=None``): every weight N(0, std); each residual branch's
+      last layer (the one writing into the stream) N(0, std/sqrt(2N)), N the blocks of its stack
+      (or ``n_layers``); biases 0; norm gains 1 and biases 0.
+    * ``fixup`` (``mode="fan_out"``): Zhang et al. 2019. L residual branches, m weight layers on
+      a branch: the last layer 0, the others He-normal times L^(-1/(2m-2)); projection shortcuts
+      plain He; the head 0 (unless tied to another weight). Wraps every branch layer in
+      `FixupScalars` (scalar biases at 0, a multiplier at 1 on the last layer): a new
+      optimizer is needed to train those.
+    * ``deepnorm`` (``n_layers=None``, ``alpha=None``, ``beta=None``): Wang et al. 2022, for
+      Post-LN stacks. Feed-forward layers, value projections (the value slice of a fused QKV
+      layer) and output projections Xavier-normal with gain beta = (8N)^(-1/4), queries and keys
+      gain 1, biases 0; the residual's alpha = (2N)^(1/4) is realized as a fixed 1/alpha
+      `BranchScale` on each branch, since the LayerNorm after the add is scale-invariant (up to
+      its eps). A skip already scaled by ``s`` gets ``s/alpha``.
+    * ``kaiming`` (``mode="fan_in"``, ``nonlinearity="relu"``, ``a=0.0``,
+      ``distribution="normal"``) and ``xavier`` (``gain=None``, ``nonlinearity="linear"``,
+      ``distribution="normal"``): every weight layer except embeddings; biases 0; norms reset.
+    * ``zero_branch``: the last module of every residual branch set to 0 (its last weight layer,
+      or the gain of a norm that follows it on the branch, as ResNet's ``zero_init_residual``).
+
+    Args:
+        model: the model; changed in place.
+        scheme: one of ``gpt2``, ``fixup``, ``deepnorm``, ``kaiming``, ``xavier``, ``zero_branch``.
+        example_inputs: positional inputs for one forward; the schemes that act on residual
+            branches need them (or ``model_map``) for discovery.
+        example_kwargs: keyword inputs for that forward (``{"use_cache": False}``).
+        model_map: a map from ``normprobe.discover`` to use instead of discovering again.
+        **options: the scheme's options, listed above.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: unknown scheme or option, an option out of range, or a scheme that needs
+            residual branches on a model where discovery found none.
+
+    Example::
+
+        >>> normprobe.reinit(model, "gpt2", example_inputs=(ids,))
+        >>> normprobe.reinit(resnet, "fixup", example_inputs=(images,))
+    """
+    key = str(scheme).lower().replace("-", "").replace("_", "")
+    if key not in _ALIASES:
+        raise ValueError(f"unknown init scheme {scheme!r}; expected one of {list(SCHEMES)}")
+    name = _ALIASES[key]
+    allowed = _OPTIONS[name]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"reinit scheme {name!r} has no option {unknown[0]!r}; its options are "
+            f"{sorted(allowed) or 'none'}"
+        )
+    t = _Target(model, f"reinit(model, {name!r})", example_inputs, example_kwargs, model_map)
+    _SCHEMES[name](t, **{**allowed, **options})
+    return model
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _count(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer (number of blocks), got {value!r}")
+    return value
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return str(value)
+
+
+def _gain_for(nonlinearity: str, a: float = 0.0) -> float:
+    try:
+        return nn.init.calculate_gain(nonlinearity, a)  # type: ignore[arg-type]
+    except ValueError as err:
+        raise ValueError(
+            f"unknown nonlinearity {nonlinearity!r} (from torch: {err}); use one of 'linear', "
+            "'relu', 'leaky_relu', 'tanh', 'sigmoid', 'selu'"
+        ) from None
+
+
+def _scheme_gpt2(t: _Target, *, std: Any, n_layers: Any) -> None:
+    std = _positive("std (sigma)", std)
+    n = _count("n_layers", n_layers)
+    # the layers writing into the residual stream get std/sqrt(2N), per the GPT-2 paper
+    writers = {a.branch_out: (n or t.depth(a)) for a in t.adds() if a.branch_out is not None}
+    seen: set[int] = set()
+    with torch.no_grad():
+        for path, m in t.weight_layers():
+            for _, p in _direct(m):
+                if id(p) in seen:
+                    continue  # a tied weight (lm_head = wte) is initialized once
+                seen.add(id(p))
+                if p.ndim >= 2:
+                    scale = math.sqrt(2 * writers[path]) if path in writers else 1.0
+                    nn.init.normal_(p, 0.0, std / scale)
+                else:
+                    nn.init.zeros_(p)
+            if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                m.weight[m.padding_idx].zero_()
+    t.reset_norms()
+
+
+def _scheme_kaiming(t: _Target, *, mode: Any, nonlinearity: Any, a: Any, distribution: Any) -> None:
+    mode = _choice("mode", mode, ("fan_in", "fan_out"))
+    distribution = _choice("distribution", distribution, ("normal", "uniform"))
+    _gain_for(nonlinearity, a)
+    init = nn.init.kaiming_normal_ if distribution == "normal" else nn.init.kaiming_uniform_
+    for m, p in t.layer_params():
+        if p.ndim >= 2:
+            init(out_in_view(m, p), a=a, mode=mode, nonlinearity=nonlinearity)
+        else:
+            nn.init.zeros_(p)
+    t.reset_norms()
+
+
+def _scheme_xavier(t: _Target, *, gain: Any, nonlinearity: Any, distribution: Any) -> None:
+    g = _gain_for(nonlinearity) if gain is None else _positive("gain", gain)
+    distribution = _choice("distribution", distribution, ("normal", "uniform"))
+    init = nn.init.xavier_normal_ if distribution == "normal" else nn.init.xavier_uniform_
+    for m, p in t.layer_params():
+        if p.ndim >= 2:
+            init(out_in_view(m, p), gain=g)
+        else:
+            nn.init.zeros_(p)
+    t.reset_norms()
+
+
+def _scheme_zero_branch(t: _Target) -> None:
+    adds = t.adds()
+    norms = {n.path: n for n in t.map.norms}
+    for path in set(_branch_ends(t, adds).values()):
+        if path in norms:
+            _set_norm(t.module(path), norms[path], gain=0.0)
+        else:
+            _zero(t.module(path))
+
+
+def _scheme_fixup(t: _Target, *, mode: Any) -> None:
+    mode = _choice("mode", mode, ("fan_in", "fan_out"))
+    adds = t.adds()
+    model = t.model
+    n_branches = len(adds)
+    on_branches: set[str] = set()
+    plan: list[tuple[str, bool]] = []  # (layer path, last on its branch)
+    with torch.no_grad():
+        for a in adds:
+            layers = [p for p in a.branch_layers if not isinstance(t.module(p), nn.Embedding)]
+            on_branches.update(layers)
+            m = len(layers)
+            for i, path in enumerate(layers):
+                layer = t.module(path)
+                last = i == m - 1
+                plan.append((path, last))
+                for _, p in _direct(layer):
+                    if last or p.ndim < 2:
+                        p.zero_()
+                    else:
+                        nn.init.kaiming_normal_(
+                            out_in_view(layer, p), mode=mode, nonlinearity="relu"
+                        )
+                        p.mul_(n_branches ** (-1.0 / (2 * m - 2)))
+        for a in adds:
+            if a.kind != "projection":
+                continue
+            prefix = a.module + "." if a.module else ""
+            for path, layer in t.weight_layers(embeddings=False):
+                if path.startswith(prefix) and path not in on_branches:
+                    for _, p in _direct(layer):
+                        if p.ndim >= 2:
+                            nn.init.kaiming_normal_(
+                                out_in_view(layer, p), mode=mode, nonlinearity="relu"
+                            )
+                        else:
+                            p.zero_()
+        head = t.map.head
+        if head is not None:
+            tied = _tied_elsewhere(model, head)
+            if tied:
+                warnings.warn(
+                    f"fixup leaves the head {head!r} as it is: its weight is shared with "
+                    f"{tied!r}, and zeroing it would zero that too",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            else:
+                _zero(t.module(head))
+    # collect first, then swap: the scalars wrap each branch layer
+    swaps = []
+    for path, last in plan:
+        wrapper = _parent_wrapper(model, path)
+        if isinstance(wrapper, FixupScalars):
+            wrapper.reset()  # fixup ran before: keep the scalars, reset them
+        else:
+            swaps.append((path, FixupScalars(t.module(path), last)))
+    for path, new in swaps:
+        _replace(model, path, new)
+
+
+def _tied_elsewhere(model: nn.Module, path: str) -> str | None:
+    mine = {id(p) for _, p in _direct(model.get_submodule(path))}
+    for other, m in model.named_modules():
+        if other != path and any(id(p) in mine for _, p in _direct(m)):
+            return other
+    return None
+
+
+def deepnorm_constants(n_layers: int) -> tuple[float, float]:
+    """DeepNorm's constants for an encoder-only or decoder-only stack (Wang et al. 2022).
+
+    Args:
+        n_layers: N, the number of blocks (each with an attention and a feed-forward branch).
+
+    Returns:
+        ``(alpha, beta) = ((2N)^(1/4), (8N)^(-1/4))``.
+
+    Raises:
+        ValueError: ``n_layers`` is not a positive integer.
+
+    Example::
+
+        >>> normprobe.init.deepnorm_constants(12)   # (2.2134, 0.3195)
+    """
+    n = _count("n_layers", n_layers)
+    if n is None:
+        raise ValueError("n_layers must be a positive integer (number of blocks), got None")
+    return (2 * n) ** 0.25, (8 * n) ** -0.25
+
+
+def _scheme_deepnorm(t: _Target, *, n_layers: Any, alpha: Any, beta: Any) -> None:
+    n_fixed = _count("n_layers", n_layers)
+    alpha_fixed = None if alpha is None else _positive("alpha", alpha)
+    beta_fixed = None if beta is None else _positive("beta", beta)
+    adds = t.adds()
+    m = t.map
+    for a in adds:
+        if a.post_norm is None:
+            placement = m.stack(a.stack).placement if a.stack else "no stack"
+            raise ValueError(
+                f"deepnorm is for Post-LN stacks (x = LN(alpha*x + f(x))), but the residual add "
+                f"in {a.module or '<root>'!r} has no norm after it (stack {a.stack!r}, "
+                f"placement {placement!r}); use 'gpt2' or insert_branch_scale for Pre-LN models"
+            )
+    attention = [att.path for att in m.attention]
+    values = _ValueProbe(t)
+    ends = _branch_ends(t, adds)
+    scalers: list[tuple[str, float]] = []
+    with torch.no_grad():
+        for i, a in enumerate(adds):
+            default_alpha, default_beta = deepnorm_constants(n_fixed or t.depth(a))
+            alpha_i = alpha_fixed or default_alpha
+            beta_i = beta_fixed or default_beta
+            layers = [p for p in a.branch_layers if not isinstance(t.module(p), nn.Embedding)]
+            in_attention = [
+                p
+                for p in layers
+                if p != a.branch_out and any(p == q or p.startswith(q + ".") for q in attention)
+            ]
+            value_slices = values.find(a, in_attention) if in_attention else {}
+            for path in layers:
+                layer = t.module(path)
+                for _, p in _direct(layer):
+                    if p.ndim < 2:
+                        p.zero_()
+                    elif path in value_slices:
+                        _xavier_slices(layer, p, value_slices[path], beta_i)
+                    elif path in in_attention:
+                        nn.init.xavier_normal_(out_in_view(layer, p), gain=1.0)  # query, key
+                    else:
+                        nn.init.xavier_normal_(out_in_view(layer, p), gain=beta_i)
+            if i in ends:
+                scalers.append((ends[i], a.skip_scale / alpha_i))
+    _set_fixed_scalers(t, scalers, "deepnorm")
+
+
+def _xavier_slices(layer: nn.Module, p: torch.Tensor, value_parts: list[int], beta: float) -> None:
+    """Xavier per q|k|v part of a fused projection: gain beta on value parts, 1 on the rest."""
+    view = out_in_view(layer, p)
+    parts = 3 if value_parts != [-1] else 1
+    size = view.shape[0] // parts
+    for k in range(parts):
+        gain = beta if (value_parts == [-1] or k in value_parts) else 1.0
+        nn.init.xavier_normal_(view[k * size : (k + 1) * size], gain=gain)
+
+
+class _ValueProbe:
+    """Tells value projections from query/key ones by behaviour.
+
+    Doubling a value projection's output doubles the attention output exactly (attention is
+    linear in V); doubling a query or key changes the softmax. Each candidate (and each third of a
+    fused QKV output) is doubled in turn while the input of the branch's last layer is read.
+    Blocks of one class share the answer, keyed by the layer's path inside its block.
+    """
+
+    def __init__(self, t: _Target) -> None:
+        self.t = t
+        self.cache: dict[tuple[type, str], list[int]] = {}
+
+    def find(self, add: ResidualAdd, candidates: list[str]) -> dict[str, list[int]]:
+        """Layer path -> value parts: ``[-1]`` whole layer, ``[2]`` its last third, ``[]`` none."""
+        found: dict[str, list[int]] = {}
+        todo = []
+        for path in candidates:
+            key = self._key(add, path)
+            if key is not None and key in self.cache:
+                found[path] = self.cache[key]
+            else:
+                todo.append(path)
+        if todo:
+            self.t.require_inputs("tell value projections from query/key projections")
+            assert add.branch_out is not None
+            base = self._read(add.branch_out, None, None)
+            for path in todo:
+                parts = self._probe(add.branch_out, path, base)
+                found[path] = parts
+                key = self._key(add, path)
+                if key is not None:
+                    self.cache[key] = parts
+        if not any(found.values()):
+            raise ValueError(
+                f"deepnorm could not find the value projection among {candidates} (doubling "
+                "none of them, nor any third of a fused q|k|v output, doubled the attention "
+                f"output read at {add.branch_out!r}); pass beta=1.0 to skip the value scaling, "
+                "or re-initialize those layers yourself"
+            )
+        return {p: v for p, v in found.items() if v}
+
+    def _key(self, add: ResidualAdd, path: str) -> tuple[type, str] | None:
+        if add.stack is None or add.block is None:
+            return None
+        block = self.t.map.stack(add.stack).blocks[add.block]
+        if not path.startswith(block + "."):
+            return None
+        return type(self.t.module(block)), path[len(block) :]
+
+    def _probe(self, out_path: str, path: str, base: torch.Tensor) -> list[int]:
+        if self._linear(self._read(out_path, path, None), base):
+            return [-1]
+        size = self._width(path)
+        if size % 3:
+            return []
+        return [k for k in range(3) if self._linear(self._read(out_path, path, k), base)]
+
+    def _width(self, path: str) -> int:
+        layer = self.t.module(path)
+        weight = next(p for _, p in _direct(layer) if p.ndim >= 2)
+        return weight.shape[_out_dim(layer)]
+
+    @staticmethod
+    def _linear(doubled: torch.Tensor, base: torch.Tensor) -> bool:
+        # doubling is exact in floating point, so a linear path gives 2 * base up to rounding
+        return bool(
+            torch.allclose(doubled, 2 * base, rtol=1e-4, atol=1e-6 * float(base.abs().max()))
+        )
+
+    def _read(self, out_path: str, double: str | None, part: int | None) -> torch.Tensor:
+        t = self.t
+        seen: list[torch.Tensor] = []
+
+        def capture(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if not seen:
+                seen.append(args[0].detach().clone())
+
+        def scale(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+            if part is None:
+                return out * 2
+            size = out.shape[-1] // 3
+            out = out.clone()
+            out[..., part * size : (part + 1) * size] *= 2
+            return out
+
+        handles = [t.module(out_path).register_forward_pre_hook(capture)]
+        try:
+            if double is not None:
+                handles.append(t.module(double).register_forward_hook(scale))
+            with _observing(t.model):
+                t.model(*t.args, **t.kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        return seen[0]
+
+
+def _set_fixed_scalers(t: _Target, scalers: list[tuple[str, float]], kind: str) -> None:
+    swaps = []
+    for path, value in scalers:
+        wrapper = _parent_wrapper(t.model, path)
+        if isinstance(wrapper, BranchScale) and wrapper.kind == kind:
+            wrapper.scale.fill_(value)  # ran before: update the factor in place
+            continue
+        if abs(value - 1.0) < 1e-6:
+            continue  # the skip already carries alpha
+        like = next(t.module(path).parameters())
+        _, channel_dim, offset = _channels(t, path)
+        swaps.append(
+            (
+                path,
+                BranchScale(
+                    t.module(path),
+                    kind,
+                    _scale_value(like, value, None),
+                    channel_dim,
+                    learnable=False,
+                    gain_offset=offset,
+                ),
+            )
+        )
+    for path, new in swaps:
+        _replace(t.model, path, new)
+
+
+_SCHEMES: dict[str, Any] = {
+    "gpt2": _scheme_gpt2,
+    "fixup": _scheme_fixup,
+    "deepnorm": _scheme_deepnorm,
+    "kaiming": _scheme_kaiming,
+    "xavier": _scheme_xavier,
+    "zero_branch": _scheme_zero_branch,
+}
+
+_OPTIONS: dict[str, dict[str, Any]] = {
+    "gpt2": {"std": 0.02, "n_layers": None},
+    "fixup": {"mode": "fan_out"},
+    "deepnorm": {"n_layers": None, "alpha": None, "beta": None},
+    "kaiming": {"mode": "fan_in", "nonlinearity": "relu", "a": 0.0, "distribution": "normal"},
+    "xavier": {"gain": None, "nonlinearity": "linear", "distribution": "normal"},
+    "zero_branch": {},
+}
+
+
+# --------------------------------------------------------------------------------------------
+# insert_branch_scale
+# --------------------------------------------------------------------------------------------
+
+
+def cait_init(depth: int) -> float:
+    """CaiT's LayerScale starting value for a model of ``depth`` blocks (Touvron et al. 2021).
+
+    Args:
+        depth: the number of blocks.
+
+    Returns:
+        0.1 up to 18 blocks, 1e-5 up to 24, 1e-6 beyond.
+
+    Example::
+
+        >>> normprobe.init.cait_init(36)   # 1e-06
+    """
+    if depth <= 18:
+        return 0.1
+    return 1e-5 if depth <= 24 else 1e-6
+
+
+def insert_branch_scale(
+    model: ModuleT,
+    kind: BranchScaleKind,
+    *,
+    init: float | Literal["cait"] | None = None,
+    example_inputs: Sequence[Any] | Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    model_map: ModelMap | None = None,
+) -> ModuleT:
+    """Put a learnable scale on the end of every residual branch: ``x + scale * f(x)``.
+
+    The last module of each branch (its last weight layer, or the norm that follows it on the
+    branch: Gemma's sandwich norm, ResNet's BatchNorm) is wrapped in a `BranchScale`, so the scale
+    acts on exactly what the branch adds to the stream. The wrapped module keeps its parameters
+    and hooks; its state_dict keys gain ``.inner`` and the scale is ``.scale``.
+
+    * ``rezero`` (Bachlechner et al. 2020) and ``skipinit`` (De & Smith 2020): one scalar per
+      branch, ``init`` 0 by default, so the model starts as the identity on its residual stream.
+    * ``layerscale`` (CaiT, Touvron et al. 2021): one factor per channel, ``init`` 1e-5 by
+      default; ``init="cait"`` picks 0.1 / 1e-5 / 1e-6 for up to 18 / 24 / more blocks.
+
+    Args:
+        model: the model; changed in place.
+        kind: ``rezero``, ``layerscale`` or ``skipinit``.
+        init: the starting value (a finite number), or ``"cait"`` for LayerScale.
+        example_inputs: positional inputs for one forward (discovery needs them).
+        example_kwargs: keyword inputs for that forward.
+        model_map: a map from ``normprobe.discover`` to use instead of discovering again.
+
+    Returns:
+        ``model``. Build the optimizer afterwards: the scales are new parameters.
+
+    Raises:
+        ValueError: unknown kind, a bad ``init``, or no residual branches found.
+        RuntimeError: the model already has branch scalers.
+
+    Example::
+
+        >>> model = normprobe.insert_branch_scale(model, "rezero", example_inputs=(ids,))
+        >>> model = normprobe.insert_branch_scale(vit, "layerscale", init="cait",
+        ...                                       example_inputs=(images,))
+    """
+    if kind not in BRANCH_SCALES:
+        raise ValueError(f"unknown branch scale {kind!r}; expected one of {list(BRANCH_SCALES)}")
+    if init == "cait":
+        if kind != "layerscale":
+            raise ValueError(f"init='cait' is CaiT's LayerScale rule; {kind!r} takes a number")
+    elif init is not None and (
+        isinstance(init, bool) or not isinstance(init, int | float) or not math.isfinite(init)
+    ):
+        raise ValueError(f"init must be a finite number or 'cait', got {init!r}")
+    existing = branch_scales(model) if isinstance(model, nn.Module) else {}
+    if existing:
+        path, first = next(iter(existing.items()))
+        raise RuntimeError(
+            f"the model already has {len(existing)} branch scalers ({first.kind} at {path!r}); "
+            "inserting more would stack them. Remove them first with "
+            "normprobe.remove_branch_scale(model, fold=True), which keeps the function"
+        )
+    t = _Target(
+        model, f"insert_branch_scale(model, {kind!r})", example_inputs, example_kwargs, model_map
+    )
+    adds = t.adds()
+    ends = _branch_ends(t, adds)
+    swaps: dict[str, BranchScale] = {}
+    for i, path in ends.items():
+        if path in swaps:
+            continue
+        if init == "cait":
+            value = cait_init(t.depth(adds[i]))
+        elif init is None:
+            value = 1e-5 if kind == "layerscale" else 0.0
+        else:
+            value = float(init)
+        module = t.module(path)
+        like = next(module.parameters(), None)
+        if like is None:
+            raise ValueError(
+                f"the branch of the add in {adds[i].module!r} ends in {path!r}, which has no "
+                "parameters to take a dtype and device from"
+            )
+        channels, channel_dim, offset = _channels(t, path)
+        per_channel = channels if kind == "layerscale" else None
+        swaps[path] = BranchScale(
+            module, kind, _scale_value(like, value, per_channel), channel_dim, True, offset
+        )
+    for path, new in swaps.items():
+        _replace(model, path, new)
+    return model
