@@ -499,7 +499,8 @@ class Probe:
         if not self.persistent_hooks:
             self._recording = False
             self._exit_modes()
-            self._disarm()
+            if self.every > 1:  # logging every step: keep the hooks for the next one
+                self._disarm()
 
     def _arm(self) -> None:
         """Register the reading hooks (once; a no-op while armed)."""
@@ -621,13 +622,15 @@ class Probe:
         if not self._pending and not distributed:
             return None
         device = self._device()
+        total = sum(slot.size for slot in self._slots.values())
+        missing = torch.full((total,), math.nan, device=device)  # slices of it fill the gaps
         parts = []
         for key, slot in self._slots.items():
             value = self._pending.get(key)
             if value is None:
-                parts.append(torch.full((slot.size,), math.nan, device=device))
+                parts.append(missing[: slot.size])
             else:
-                parts.append(value.reshape(-1).float().to(device))
+                parts.append(value.reshape(-1).to(device, torch.float32))
         packed = torch.cat(parts)
         if distributed:
             packed = self._combine_ranks(packed)

@@ -193,11 +193,17 @@ def test_batchnorm_statistics_at_validation(tmp_path: Path) -> None:
     assert "normprobe/bn_gap/net.1" in events.scalars
 
 
-def test_bf16_mixed_precision(tmp_path: Path) -> None:
-    t = trainer(tmp_path, precision="bf16-mixed", callbacks=[normprobe.NormProbe(every=1)])
+def test_bf16_mixed_statistics_and_gradients(tmp_path: Path) -> None:
+    # (16-mixed, with its loss scaling, falls back to bf16-mixed on CPU; unscaling is tested
+    # with torch.amp.GradScaler in test_runtime.py)
+    spy = GradSpy()  # the gradients Lightning hands the optimizer
+    probe = normprobe.NormProbe(every=1)
+    t = trainer(tmp_path, precision="bf16-mixed", callbacks=[probe, spy], max_steps=3)
     t.fit(LM(), tokens())
     assert t.logger is not None and t.logger.log_dir is not None
     events = read_events(t.logger.log_dir)
     values = [v for series in events.scalars.values() for _, v in series]
     assert values and all(v == v and abs(v) < 1e6 for v in values)
     assert events.scalars["normprobe/nonfinite/modules"][-1][1] == 0
+    logged = [v for _, v in events.scalars["normprobe/grad_norm/model.blocks/0"]]
+    assert logged == pytest.approx([n[0] for n in spy.norms], rel=1e-4)
