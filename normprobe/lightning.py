@@ -76,6 +76,9 @@ class NormProbe(Callback):
         example_inputs: positional inputs to map the model before training starts.
         max_block_tags: per-block scalar tags for at most this many blocks of a stack.
 
+    Attributes:
+        latest: the last training step's record (on every rank), also after training ends.
+
     Example::
 
         trainer = L.Trainer(callbacks=[normprobe.NormProbe()])
@@ -98,6 +101,7 @@ class NormProbe(Callback):
         self.example_inputs = example_inputs
         self.max_block_tags = max_block_tags
         self.probe: Probe | None = None
+        self.latest: Record | None = None
         self._waiting: list[RemovableHandle] = []
         self._stepped = False
         self._layout_dirs: list[str] = []
@@ -221,6 +225,7 @@ class NormProbe(Callback):
     ) -> None:
         if self.probe is not None and self._stepped:  # an optimizer step happened in this batch
             self.probe.end_step()
+            self.latest = self.probe.latest
             self._stepped = False
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

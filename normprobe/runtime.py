@@ -50,6 +50,12 @@ METRICS: dict[str, str] = {
     "execution order (warned once)",
 }
 PREFIX = "normprobe"
+# the custom-scalars dashboard shows the families in this order, most telling first
+_FAMILY_ORDER = (
+    "resid_rms", "resid_growth", "resid_slope", "grad_norm", "grad_ratio", "resid_cos",
+    "attn_logit_max", "logits", "update_ratio", "norm_in_rms", "norm_out_rms",
+    "norm_gain_mean", "norm_gain_std", "bn_mean_drift", "bn_var_drift", "bn_gap", "nonfinite",
+)  # fmt: skip
 UPDATE_SAMPLE_FRACTION = 0.005
 UPDATE_SAMPLE_MIN = 4096
 
@@ -846,7 +852,9 @@ class Probe:
                 charts[(family, title)] = f"^{prefix}/\\d+\\.{re.escape(position)}$"
             else:
                 charts[(family, rest)] = "^" + re.escape(tag) + "$"
-        return [(f"{PREFIX} {family}", title, regex) for (family, title), regex in charts.items()]
+        order = {family: i for i, family in enumerate(_FAMILY_ORDER)}
+        ranked = sorted(charts.items(), key=lambda item: order.get(item[0][0], len(order)))
+        return [(f"{PREFIX} {family}", title, regex) for (family, title), regex in ranked]
 
     def _warn_missing(self, model_map: ModelMap) -> None:
         missing = []

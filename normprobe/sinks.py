@@ -105,14 +105,15 @@ def _depth_histogram(writer: Any, tag: str, values: list[float], step: int) -> N
     finite = [v if v == v and abs(v) != float("inf") else 0.0 for v in values]
     if not finite:
         return
+    # bucket i spans (i, i + 1]: every block gets the same width on the depth axis
     writer.add_histogram_raw(
         tag,
         min=0.0,
-        max=float(len(finite) - 1),
+        max=float(len(finite)),
         num=float(sum(finite)),
-        sum=float(sum(i * v for i, v in enumerate(finite))),
-        sum_squares=float(sum(i * i * v for i, v in enumerate(finite))),
-        bucket_limits=[i + 0.5 for i in range(len(finite))],
+        sum=float(sum((i + 0.5) * v for i, v in enumerate(finite))),
+        sum_squares=float(sum((i + 0.5) ** 2 * v for i, v in enumerate(finite))),
+        bucket_limits=[float(i + 1) for i in range(len(finite))],
         bucket_counts=finite,
         global_step=step,
     )

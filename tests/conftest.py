@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,3 +48,41 @@ def _no_global_hooks_left() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Path], str]]:
+    """Start a TensorBoard on 127.0.0.1 over a finished log dir; returns its address."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(logs: Path) -> str:
+        port = _free_port()
+        command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logs)]
+        command += ["--host", "127.0.0.1", "--port", str(port)]
+        procs.append(
+            subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def get_json(url: str, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return json.loads(response.read())
+        except (urllib.error.URLError, ConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)

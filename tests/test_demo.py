@@ -1,16 +1,25 @@
-"""`make demo` runs the demo module: it must keep printing real maps."""
+"""`make demo` trains four runs through Lightning with NormProbe and compares them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from tb import read_events
 
 from normprobe import demo
 
 
-def test_demo_prints_a_map_per_model(capsys: pytest.CaptureFixture[str]) -> None:
-    demo.main()
+def test_demo_trains_four_runs_and_prints_the_comparison(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    demo.main(["--steps", "8", "--root", str(tmp_path)])
     out = capsys.readouterr().out
-    assert out.count("ModelMap of ") == 4
-    assert "lns.{0..47}  layernorm  pre" in out
-    assert "post-ln+qk-norm" in out
-    assert "LlamaRMSNorm" in out and "projection" in out
+    for name in demo.RUNS:
+        events = read_events(str(tmp_path / "demo" / name))
+        assert "normprobe/grad_ratio/model.blocks" in events.scalars
+        assert any(line.startswith(name + " ") for line in out.splitlines())
+    assert f"tensorboard --logdir {tmp_path / 'demo'}" in out
+    table = [line.split() for line in out.splitlines() if line.startswith(("pre-ln", "post-ln"))]
+    assert len(table) == 4 and all(len(row) == 5 for row in table)
+    assert all(float(v) == float(v) for row in table for v in row[1:])  # measured, not NaN

@@ -1,0 +1,78 @@
+"""TensorBoard as a user sees it: headless Chromium renders normprobe's panels.
+
+.ci/run installs Debian's chromium; without it these tests skip and say why.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import get_json
+from PIL import Image
+
+import normprobe
+from normprobe.models import TinyTransformer
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed")
+
+
+def _screenshot(url: str, out: Path, profile: Path) -> Image.Image:
+    assert CHROMIUM is not None
+    subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--no-first-run", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", f"--user-data-dir={profile}", "--window-size=1400,1000",
+         "--virtual-time-budget=20000", f"--screenshot={out}", url],
+        capture_output=True, timeout=120, check=False,
+    )  # fmt: skip
+    return Image.open(out).convert("RGB")
+
+
+def _chart_pixels(image: Image.Image) -> int:
+    """Pixels of TensorBoard's orange series color in the content area (right of the sidebar,
+    below the header): zero on an empty dashboard."""
+    width, height = image.size
+    count = 0
+    for x in range(360, width, 2):
+        for y in range(80, height, 2):
+            r, g, b = image.getpixel((x, y))  # type: ignore[misc]
+            if r > 200 and 60 < g < 160 and b < 110:
+                count += 1
+    return count
+
+
+def _run(logs: Path) -> None:
+    model = TinyTransformer(depth=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with normprobe.attach(model, opt, log_dir=str(logs / "demo"), every=2):
+        for _ in range(12):
+            x = torch.randint(0, 96, (4, 32))
+            model.loss(x, x).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_custom_scalars_and_depth_view_render(serve: Callable[[Path], str], tmp_path: Path) -> None:
+    logs = tmp_path / "runs"
+    _run(logs)
+    url = serve(logs)
+    deadline = time.monotonic() + 60
+    while "demo" not in get_json(f"{url}/data/plugin/scalars/tags"):
+        assert time.monotonic() < deadline, "TensorBoard never loaded the run"
+        time.sleep(0.5)
+    charts = _screenshot(f"{url}/#custom_scalars", tmp_path / "custom.png", tmp_path / "p1")
+    depth = _screenshot(f"{url}/#histograms", tmp_path / "depth.png", tmp_path / "p2")
+    (tmp_path / "nothing").mkdir()
+    empty_url = serve(tmp_path / "nothing")  # the same dashboard with no data at all
+    get_json(f"{empty_url}/data/runs")  # waits until it answers
+    empty = _screenshot(f"{empty_url}/#custom_scalars", tmp_path / "empty.png", tmp_path / "p3")
+    assert _chart_pixels(empty) == 0
+    assert _chart_pixels(charts) > 500
+    assert _chart_pixels(depth) > 500
