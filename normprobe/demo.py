@@ -90,7 +90,7 @@ def _train(name: str, make: Callable[[int], nn.Module], steps: int, root: str) -
         def __init__(self, model: nn.Module) -> None:
             super().__init__()
             self.model = model
-            self.losses: list[float] = []
+            self.losses: list[torch.Tensor] = []
 
         def training_step(
             self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int

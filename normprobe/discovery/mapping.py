@@ -74,7 +74,7 @@ def discover(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Mod
     }
     g: Graph | None = None
     # behaviour probes call modules too: the model's own hooks stay silent until the end
-    with _read_only(model):
+    with read_only(model):
         start = time.perf_counter()
         if traced:
             try:
@@ -123,7 +123,7 @@ _HOOK_DICTS = (
 
 
 @contextmanager
-def _read_only(model: nn.Module) -> Iterator[None]:
+def read_only(model: nn.Module) -> Iterator[None]:
     """Silence the model's own forward hooks; restore them, buffers, modes and RNGs on exit."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     modes = [(m, m.training) for m in model.modules()]
