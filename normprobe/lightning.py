@@ -269,10 +269,7 @@ class NormProbe(Callback):
     def _finish(self) -> None:
         self._stop_waiting()
         if self.probe is not None:
-            if self.probe._layout_written:
-                self._layout_dirs += [
-                    d for d in (getattr(s, "log_dir", None) for s in self._sinks) if d
-                ]
+            self._layout_dirs = self._dirs_with_layout()
             self.probe.remove()
             self.probe = None
         else:
@@ -290,10 +287,14 @@ class NormProbe(Callback):
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        dirs = list(self._layout_dirs)
+        checkpoint[CHECKPOINT_KEY] = {"layout_dirs": self._dirs_with_layout()}
+
+    def _dirs_with_layout(self) -> list[str]:
+        """Log directories that already hold normprobe's custom-scalars layout."""
+        dirs = set(self._layout_dirs)
         if self.probe is not None and self.probe._layout_written:
-            dirs += [d for d in (getattr(s, "log_dir", None) for s in self._sinks) if d]
-        checkpoint[CHECKPOINT_KEY] = {"layout_dirs": sorted(set(dirs))}
+            dirs.update(d for d in (getattr(s, "log_dir", None) for s in self._sinks) if d)
+        return sorted(dirs)
 
     def on_load_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
