@@ -1,5 +1,6 @@
 """normprobe: see and change the normalization, residual and initialization behaviour of a model."""
 
+from .diagnose import DiagnoseInputError, Diagnosis, Finding, diagnose
 from .discovery import (
     Anchor,
     Attention,
@@ -21,6 +22,8 @@ from .init import (
 )
 from .layers import DyT
 from .muparam import CoordTable, MupShape, coord_check, mup, mup_param_groups, mup_shapes
+from .report import Flag, RunReport, Trend, find_runs
+from .report import report as report_run
 from .runtime import METRICS, Probe, attach
 from .sinks import Record, TensorBoardSink
 from .surgery import (
@@ -54,9 +57,13 @@ __all__ = [
     "ConversionReport",
     "ConversionWarning",
     "CoordTable",
+    "DiagnoseInputError",
+    "Diagnosis",
     "DiscoveryWarning",
     "DyT",
+    "Finding",
     "FixupScalars",
+    "Flag",
     "ModelMap",
     "MupShape",
     "NormLayer",
@@ -64,20 +71,25 @@ __all__ = [
     "Probe",
     "Record",
     "ResidualAdd",
+    "RunReport",
     "Stack",
     "TensorBoardSink",
+    "Trend",
     "__version__",
     "attach",
     "branch_scales",
     "convert_norms",
     "convert_norms_with_report",
     "coord_check",
+    "diagnose",
     "discover",
     "discover_on_first_forward",
+    "find_runs",
     "insert_branch_scale",
     "mup",
     "mup_param_groups",
     "mup_shapes",
     "reinit",
     "remove_branch_scale",
+    "report_run",
 ]

@@ -1,0 +1,362 @@
+"""`normprobe report`: the table against the event files, each flag on a model built to have it
+and on one built not to, the depth picture, the command line and bad input."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from tb import read_events
+from torch import nn
+from torch.utils.tensorboard import SummaryWriter
+
+import normprobe
+from normprobe import report as rp
+from normprobe.models import ResidualStack, TinyTransformer
+
+Batch = Callable[[int], torch.Tensor]
+
+
+def train(
+    log_dir: Path,
+    model: nn.Module,
+    batch: Batch,
+    loss: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    steps: int,
+    every: int,
+    lr: float = 1e-3,
+    before: Callable[[nn.Module, int], None] | None = None,
+) -> Path:
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the NaN run's own warning
+        warnings.simplefilter("ignore", normprobe.DiscoveryWarning)  # no stacks in BatchNormNet
+        with normprobe.attach(model, opt, log_dir=str(log_dir), every=every):
+            for i in range(steps):
+                if before is not None:
+                    before(model, i)
+                loss(model, batch(i)).backward()
+                opt.step()
+                opt.zero_grad()
+    return log_dir
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    assert isinstance(model, TinyTransformer)
+    return model.loss(x, x)
+
+
+def square_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean()
+
+
+def tokens(i: int) -> torch.Tensor:
+    return torch.randint(0, 96, (4, 16))
+
+
+def healthy_lm(log_dir: Path) -> Path:
+    """Pre-LN TinyTransformer, 4 blocks, 9 AdamW steps logged every 2: no flag at all."""
+    torch.manual_seed(0)
+    model = TinyTransformer(depth=4, width=32, context=16)
+    return train(log_dir, model, tokens, lm_loss, steps=9, every=2)
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return healthy_lm(tmp_path_factory.mktemp("lm") / "run")
+
+
+def tutorial_stack(
+    log_dir: Path, pre_ln: bool, input_scale: float = 1.0, deepnorm: bool = False
+) -> Path:
+    """The tutorial's 48-block stack, one forward/backward as in its check [d] (same seed as
+    test_runtime's, where grad_ratio/lins reads 0.40 for Pre-LN and 2.35 for Post-LN)."""
+    torch.manual_seed(0)
+    stack = ResidualStack(48, 64, pre_ln=pre_ln)
+    if deepnorm:
+        normprobe.reinit(stack, "deepnorm", example_inputs=(torch.zeros(2, 64),))
+    with normprobe.attach(stack, log_dir=str(log_dir)) as probe:
+        stack(torch.randn(16, 64) * input_scale).pow(2).mean().backward()
+        probe.step()
+    return log_dir
+
+
+@pytest.fixture(scope="module")
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, rp.RunReport]:
+    root = tmp_path_factory.mktemp("stacks")
+    return {
+        "pre": rp.report(tutorial_stack(root / "pre", pre_ln=True)),
+        "post": rp.report(tutorial_stack(root / "post", pre_ln=False)),
+        "deepnorm": rp.report(tutorial_stack(root / "deepnorm", pre_ln=False, deepnorm=True)),
+        # a small input: the first blocks' norms divide by a small RMS, the deep ones by ~4
+        "pre_small_input": rp.report(tutorial_stack(root / "small", True, input_scale=0.1)),
+    }
+
+
+def kinds(rep: rp.RunReport, stack: str | None = None) -> set[str]:
+    return {f.kind for f in rep.flags if stack is None or f.stack == stack}
+
+
+def cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="normprobe")
+    rp.add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.run(args))
+
+
+# --- the table ---------------------------------------------------------------------------------
+def test_rows_match_the_event_files(lm_run: Path) -> None:
+    rep = rp.report(lm_run)
+    scalars = read_events(str(lm_run)).scalars
+
+    def series(tag: str) -> dict[int, float]:
+        return dict(scalars[f"normprobe/{tag}"])
+
+    def check(stack: str, metric: str, expected: dict[int, float]) -> None:
+        row = rep.row(stack, metric)
+        assert row.steps == tuple(sorted(expected))
+        assert row.values == pytest.approx([expected[s] for s in row.steps])
+        assert (row.first, row.last) == pytest.approx((expected[0], expected[8]))
+        assert (row.min, row.max) == pytest.approx((min(expected.values()), max(expected.values())))
+
+    assert rep.steps == [0, 2, 4, 6, 8]
+    check("blocks", "grad_ratio", series("grad_ratio/blocks"))
+    check("blocks", "resid_slope", series("resid_slope/blocks"))
+    check("blocks", "resid_rms[last]", series("resid_rms/blocks/3"))
+    per_block = [series(f"grad_norm/blocks/{b}") for b in range(4)]
+    check(
+        "blocks",
+        "grad_norm[mean]",
+        {s: statistics.fmean(b[s] for b in per_block) for s in per_block[0]},
+    )
+    cos = [series(f"resid_cos/blocks/{b}") for b in (2, 3)]  # the deep half of 4 blocks
+    check("blocks", "resid_cos[deep]", {s: (cos[0][s] + cos[1][s]) / 2 for s in cos[0]})
+    attn = [series(f"attn_logit_max/blocks/{b}.attn") for b in range(4)]
+    check("blocks", "attn_logit_max[max]", {s: max(a[s] for a in attn) for s in attn[0]})
+    ln_1 = [series(f"norm_in_rms/blocks/{b}.ln_1") for b in range(4)]
+    check("blocks", "norm_in_rms .ln_1", {s: statistics.fmean(n[s] for n in ln_1) for s in ln_1[0]})
+    check("model", "logits/max_abs", series("logits/max_abs"))
+    check("model", "norm_in_rms ln_f", series("norm_in_rms/ln_f"))
+
+    row = rep.row("blocks", "grad_ratio")
+    line = next(x for x in rep.table().splitlines() if "grad_ratio" in x)
+    assert line.split() == [
+        "grad_ratio",
+        *(f"{v:.4g}" for v in (row.first, row.last, row.min, row.max)),
+        *row.trend.split(),
+    ]
+    assert rep.flags == [] and rep.table().endswith("No flags.")
+
+
+def test_trend_words() -> None:
+    def trend(*values: float) -> str:
+        return rp.Trend("s", "m", tuple(range(len(values))), values, ()).trend
+
+    assert trend(1.0, 3.0) == "up x3"
+    assert trend(2.0, 0.5) == "down x0.25"
+    assert trend(1.0, 1.05) == "flat"
+    assert trend(-1.0, 2.0) == "up"
+    assert trend(1.0, math.nan) == "non-finite"
+    assert trend(4.0) == "one step"
+
+
+# --- flags -------------------------------------------------------------------------------------
+def test_gradient_skew_flags_follow_the_tutorial(stacks: dict[str, rp.RunReport]) -> None:
+    # the tutorial's numbers, read back through the event files
+    assert round(stacks["post"].row("lins", "grad_ratio").last, 2) == 2.35
+    assert round(stacks["pre"].row("lins", "grad_ratio").last, 2) == 0.40
+    top = [f for f in stacks["post"].flags if f.stack == "lins"]
+    assert [f.kind for f in top] == ["top-heavy gradients"]
+    assert top[0].value == pytest.approx(2.35, abs=0.005) and top[0].step == 0
+    # DeepNorm brings Post-LN to ~1; Pre-LN's 0.40 is its normal skew, not flagged
+    assert not {"top-heavy gradients", "bottom-heavy gradients"} & kinds(stacks["deepnorm"], "lins")
+    assert "bottom-heavy gradients" not in kinds(stacks["pre"], "lins")
+    low = stacks["pre_small_input"]
+    assert "bottom-heavy gradients" in kinds(low, "lins")
+    assert low.row("lins", "grad_ratio").last <= rp.GRAD_BOTTOM_LIMIT
+
+
+def test_residual_growth_and_collapse_flags(stacks: dict[str, rp.RunReport]) -> None:
+    pre, post = stacks["pre"], stacks["post"]
+    # Pre-LN's stream grows with depth and its deep blocks become nearly parallel
+    assert pre.row("lins", "resid_growth").last >= rp.RESID_GROWTH_MIN
+    assert pre.row("lins", "resid_slope").last >= rp.RESID_SLOPE_LIMIT
+    assert {"residual growth", "representation collapse"} <= kinds(pre, "lins")
+    collapse = next(f for f in pre.flags if f.kind == "representation collapse")
+    assert collapse.value == pytest.approx(pre.row("lins", "resid_cos[deep]").last)
+    assert "24..47" in collapse.message
+    # Post-LN renormalizes every block: flat stream, cosine well below the limit
+    assert pre.row("lins", "resid_growth").last > 3 * post.row("lins", "resid_growth").last
+    assert post.row("lins", "resid_cos[deep]").last < rp.COLLAPSE_COS - 0.05
+    assert not {"residual growth", "representation collapse"} & kinds(post)
+
+
+def test_nan_onset_names_the_first_module(tmp_path: Path, lm_run: Path) -> None:
+    def poison(model: nn.Module, step: int) -> None:
+        if step == 6:
+            assert isinstance(model, ResidualStack)
+            with torch.no_grad():
+                model.lins[3].weight[0, 0] = math.nan
+
+    torch.manual_seed(0)
+    model = ResidualStack(6, 16)
+    run = train(tmp_path, model, lambda i: torch.randn(8, 16), square_loss, 9, 1, 1e-2, poison)
+    rep = rp.report(run)
+    (flag,) = [f for f in rep.flags if f.kind == "nan onset"]
+    # step 6 is the onset even though later steps name an earlier module (NaN weights spread)
+    assert flag.step == 6 and "lins.3" in flag.message
+    assert flag.value == dict(read_events(str(run)).scalars["normprobe/nonfinite/modules"])[6]
+    assert rep.row("lins", "resid_rms[last]").steps[-1] == 5  # NaN values are not logged
+    assert "ends at step 5" in rep.table()
+    assert "nan onset" not in kinds(rp.report(lm_run))
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bn(self.fc(x))))
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.3])
+def test_batchnorm_drift(tmp_path: Path, shift: float) -> None:
+    # inputs whose mean moves by `shift` per step: the running statistics lag behind the batches
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    run = train(tmp_path, model, lambda i: torch.randn(32, 8) + shift * i, square_loss, 31, 10)
+    # a validation pass as the Lightning callback makes it: normprobe/val_bn_* at step 31
+    with normprobe.attach(model, log_dir=str(run), every=1000, metrics=["bn_stats"]) as probe:
+        probe.begin_step(31)
+        probe.validate_next_forward()
+        with torch.no_grad():
+            model.eval()(torch.randn(32, 8) + shift * 31)
+        probe.flush_validation()
+    rep = rp.report(run)
+    assert rep.row("model", "val_bn_mean_drift[max]").steps == (31,)
+    drift = rep.row("model", "bn_mean_drift[max]")
+    if shift:
+        (flag,) = [f for f in rep.flags if f.kind == "batchnorm drift"]
+        assert "bn_mean_drift" in flag.message and "val_bn_mean_drift" in flag.message
+        assert drift.last > rp.BN_MEAN_DRIFT_LIMIT
+        assert drift.last == pytest.approx(
+            dict(read_events(str(run)).scalars["normprobe/bn_mean_drift/bn"])[30]
+        )
+    else:
+        assert rep.flags == []
+        assert drift.last < rp.BN_MEAN_DRIFT_LIMIT / 5
+
+
+def test_logit_blow_up(tmp_path: Path, lm_run: Path) -> None:
+    def grow(model: nn.Module, step: int) -> None:
+        assert isinstance(model, TinyTransformer)
+        with torch.no_grad():
+            model.head.weight.mul_(2.0)
+            for block in model.blocks:
+                block.attn.qkv.weight[:64].mul_(1.6)  # queries and keys (width 32)
+
+    torch.manual_seed(0)
+    model = TinyTransformer(depth=2, width=32, context=16)
+    rep = rp.report(train(tmp_path, model, tokens, lm_loss, 9, 2, lr=0.0, before=grow))
+    flags = {f.stack: f for f in rep.flags if f.kind == "logit blow-up"}
+    assert flags["model"].value == rep.row("model", "logits/max_abs").last > rp.LOGIT_LIMIT
+    assert "x its value at step 0" in flags["model"].message  # 2**8 = 256x, past 100x
+    assert flags["blocks"].value == rep.row("blocks", "attn_logit_max[max]").last
+    assert flags["blocks"].value > rp.ATTN_LOGIT_LIMIT
+    healthy = rp.report(lm_run)
+    assert "logit blow-up" not in kinds(healthy)
+    assert healthy.row("model", "logits/max_abs").last < rp.LOGIT_LIMIT / 10
+
+
+# --- the picture -------------------------------------------------------------------------------
+def test_png_of_depth_profiles(tmp_path: Path, lm_run: Path) -> None:
+    rep = rp.report(lm_run)
+    assert set(rep.profiles) == {f"{f}/blocks" for f in rp.BLOCK_FAMILIES}
+    step, values = rep.profiles["resid_rms/blocks"][-1]
+    assert step == 8 and values == pytest.approx(
+        [
+            dict(read_events(str(lm_run)).scalars[f"normprobe/resid_rms/blocks/{b}"])[8]
+            for b in range(4)
+        ]
+    )
+    assert math.isnan(rep.profiles["resid_cos/blocks"][0][1][0])  # block 0 has no cosine
+    out = rep.write_png(tmp_path / "depth.png")
+    with Image.open(out) as image:
+        image.load()
+        assert image.format == "PNG"
+        assert image.size == rp.png_size(4) == (2 * rp.PANEL_SIZE[0], 2 * rp.PANEL_SIZE[1])
+        pixels = np.asarray(image.convert("RGB")).reshape(-1, 3)
+    drawn = (pixels != rp.BACKGROUND).any(axis=1).sum()
+    assert drawn > 0.01 * len(pixels)
+    latest = rp._color(4, 5)  # the last step's line, darkest
+    assert (pixels == latest).all(axis=1).sum() > 100
+
+
+# --- the command line and bad input -----------------------------------------------------------
+def test_cli_exit_status_and_output(
+    lm_run: Path,
+    stacks: dict[str, rp.RunReport],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    assert cli(["report", str(lm_run)]) == 0
+    out = capsys.readouterr().out
+    assert f"normprobe report: {lm_run}" in out and "No flags." in out
+    assert cli(["report", stacks["post"].run_dir, "--png", str(tmp_path / "p.png")]) == 1
+    out = capsys.readouterr().out
+    assert "[top-heavy gradients] lins at step 0" in out
+    assert f"depth profiles: {tmp_path / 'p.png'}" in out and (tmp_path / "p.png").is_file()
+
+
+def test_lightning_layout_and_several_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logs = tmp_path / "lightning_logs"
+    tutorial_stack(logs / "version_0", pre_ln=True)
+    assert rp.report(logs).run_dir == str(logs / "version_0")  # the only run below it
+    tutorial_stack(logs / "version_1", pre_ln=False)
+    assert rp.find_runs(logs) == [logs / "version_0", logs / "version_1"]
+    with pytest.raises(ValueError, match=r"holds 2 runs.*version_0.*version_1"):
+        rp.report(logs)
+    assert cli(["report", str(logs), "--png", str(tmp_path / "d.png")]) == 1
+    out = capsys.readouterr().out
+    assert out.count("normprobe report: ") == 2
+    for version in ("version_0", "version_1"):
+        assert (tmp_path / f"d-{version}.png").is_file()
+    event_file = next((logs / "version_1").glob("events.out.tfevents.*"))
+    assert rp.report(event_file).row("lins", "grad_ratio").last == pytest.approx(2.35, abs=0.005)
+
+
+def test_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="nope"):
+        rp.report(missing)
+    assert cli(["report", str(missing)]) == 2
+    assert str(missing) in capsys.readouterr().err
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no TensorBoard event files.*empty"):
+        rp.report(empty)
+    assert cli(["report", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert str(empty) in err and "events.out.tfevents" in err
+
+    other = tmp_path / "other"
+    with SummaryWriter(str(other)) as writer:
+        writer.add_scalar("loss", 1.0, 0)
+    with pytest.raises(ValueError, match=r"no normprobe/ tags.*'loss'"):
+        rp.report(other)
+    assert cli(["report", str(other)]) == 2
+    assert "was the probe attached" in capsys.readouterr().err
