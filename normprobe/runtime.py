@@ -342,7 +342,7 @@ class Probe:
         root_post = _Hook(self._root_post)
         plan.append(partial(self.model.register_forward_hook, root_post, always_call=True))
         self._plan = plan
-        if self.persistent_hooks:
+        if self.persistent_hooks or self._logged:
             self._arm()
         self._warn_missing(model_map)
 
@@ -526,9 +526,15 @@ class Probe:
         self._advance()
 
     def begin_step(self, step: int) -> None:
-        """Start training step ``step`` (for drivers that count steps themselves)."""
+        """Start training step ``step`` (for drivers that count steps themselves).
+
+        A logged step gets its hooks now, before its forward starts: a hook added to the root
+        module while the root's own hooks run would miss that call.
+        """
         self.step_count = step
         self._logged = self._is_logged(step)
+        if self._logged and self.model_map is not None and not self._removed:
+            self._arm()
 
     def before_optimizer_step(self) -> None:
         """Read gradients and gains, and keep what the update ratio compares against."""
@@ -555,6 +561,8 @@ class Probe:
     def validate_next_forward(self) -> None:
         """Record BatchNorm statistics on the next forward; `flush_validation` writes them."""
         self._validating = True
+        if self.model_map is not None and not self._removed:
+            self._arm()
 
     def flush_validation(self) -> None:
         """Write what the validation forward measured, as ``normprobe/val_bn_*`` tags."""
@@ -575,8 +583,7 @@ class Probe:
                     self._pending[("gain", n.path)] = probes.gain_stats(weight, n.gain_offset or 0)
 
     def _advance(self) -> None:
-        self.step_count += 1
-        self._logged = self._is_logged(self.step_count)
+        self.begin_step(self.step_count + 1)
 
     def step(self) -> None:
         """End a step by hand (training without an optimizer passed to `attach`).
@@ -978,20 +985,15 @@ def attach(
                 loss = F.cross_entropy(model(x), y)
                 loss.backward(); opt.step(); opt.zero_grad()
     """
-    sink = TensorBoardSink(writer=writer, log_dir=log_dir)
+    probe = Probe(  # checks the arguments before any file is created
+        model,
+        optimizer=optimizer,
+        every=every,
+        metrics=metrics,
+        max_block_tags=max_block_tags,
+    )
     try:
-        probe = Probe(
-            model,
-            optimizer=optimizer,
-            sinks=[sink],
-            every=every,
-            metrics=metrics,
-            max_block_tags=max_block_tags,
-        )
-    except Exception:
-        sink.close()
-        raise
-    try:
+        probe.sinks.append(TensorBoardSink(writer=writer, log_dir=log_dir))
         if example_inputs is not None or example_kwargs is not None:
             probe.discover_now(*(example_inputs or ()), **(example_kwargs or {}))
         else:

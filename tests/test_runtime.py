@@ -499,3 +499,18 @@ def test_gradients_are_read_after_accumulation_and_unscaling(tmp_path: Path) -> 
     got = [probe.latest.scalars[f"normprobe/grad_norm/lins/{i}"] for i in range(3)]  # type: ignore[union-attr]
     assert got == pytest.approx(want)
     assert probe.step_count == 1
+
+
+def test_a_model_that_is_itself_a_norm_layer(tmp_path: Path) -> None:
+    bn = nn.BatchNorm1d(16)
+    x = torch.randn(64, 16) + 3  # batch mean 3 against running mean 0 and variance 1
+    options: dict[str, Any] = {"metrics": ["bn_stats"], "every": 1, "example_inputs": (x,)}
+    with normprobe.attach(bn, log_dir=str(tmp_path), **options) as probe:
+        bn(x)
+        probe.step()
+        bn(x)
+        probe.step()
+    assert probe.model_map is not None and [n.path for n in probe.model_map.norms] == [""]
+    assert probe.latest is not None and probe.latest.step == 1
+    # after one training forward the running mean moved 10% of the way: drift ~ 2.7
+    assert probe.latest.scalars["normprobe/bn_mean_drift/root"] == pytest.approx(2.7, rel=0.05)
