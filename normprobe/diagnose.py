@@ -1029,15 +1029,3 @@ def run_cli(args: argparse.Namespace) -> int:
         return 2
     print(result)
     return 1 if result.findings else 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m normprobe.diagnose diagnose ENTRY``, without the rest of the CLI."""
-    parser = argparse.ArgumentParser(prog="normprobe")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.run(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -24,7 +24,7 @@ import math
 import re
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -978,16 +978,3 @@ def _png_path(out: Path, root: Path, run: Path, count: int) -> Path:
 def _fail(message: str) -> int:
     print(f"normprobe report: error: {message}", file=sys.stderr)
     return 2
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m normprobe.report RUN_DIR [--png OUT.png]``: the ``report`` command alone."""
-    parser = argparse.ArgumentParser(prog="normprobe")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["report", *(sys.argv[1:] if argv is None else argv)])
-    run: Callable[[argparse.Namespace], int] = args.run
-    return run(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

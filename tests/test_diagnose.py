@@ -15,6 +15,7 @@ from conftest import hook_count
 from torch import nn
 
 import normprobe
+from normprobe.cli import main
 from normprobe.diagnose import (
     ATTN_LOGIT_MAX,
     CHECKS,
@@ -22,7 +23,6 @@ from normprobe.diagnose import (
     Diagnosis,
     default_loss,
     diagnose,
-    main,
 )
 from normprobe.models import ResidualStack, TinyTransformer
 
@@ -412,7 +412,7 @@ def test_cli_bad_entries(
 
 def test_cli_runs_as_a_module(entry_module: str, tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "normprobe.diagnose", "diagnose", f"{entry_module}:no_final_norm"],
+        [sys.executable, "-m", "normprobe.cli", "diagnose", f"{entry_module}:no_final_norm"],
         cwd=tmp_path,  # the current directory is searched without --path
         capture_output=True,
         text=True,
