@@ -414,7 +414,7 @@ def diagnose(
         world_size = _world_size()
     cap = _Capture()
     with _restored(model, train):
-        probe = Probe(model, every=1, sinks=[])
+        probe = Probe(model, every=1, sinks=[], max_block_tags=sys.maxsize)  # every layer
         try:
             with warnings.catch_warnings():
                 # what the model lacks shows in the report as checks that do not apply

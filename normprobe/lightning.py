@@ -74,7 +74,8 @@ class NormProbe(Callback):
         every: log every this many optimizer steps (default: ``trainer.log_every_n_steps``).
         metrics: names from `normprobe.METRICS` (default: all).
         example_inputs: positional inputs to map the model before training starts.
-        max_block_tags: per-block scalar tags for at most this many blocks of a stack.
+        max_block_tags: per-block scalar tags for at most this many blocks of a stack, and
+            norm and attention statistics for at most this many layers of each kind.
 
     Attributes:
         latest: the last training step's record (on every rank), also after training ends.

@@ -18,8 +18,9 @@ MASKED_LOGIT = -1e4
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:
-    """Root mean square of all elements: sqrt(mean(x^2))."""
-    return torch.linalg.vector_norm(x.detach(), dtype=torch.float32) / math.sqrt(max(x.numel(), 1))
+    """Root mean square of all elements: sqrt(mean(x^2)), reduced in float32 or wider."""
+    wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    return torch.linalg.vector_norm(x.detach(), dtype=wide) / math.sqrt(max(x.numel(), 1))
 
 
 def feature_dim(x: torch.Tensor) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -19,11 +20,16 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.overrides import TorchFunctionMode
+from torch.overrides import (
+    TorchFunctionMode,
+    _get_current_function_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 from torch.utils.hooks import RemovableHandle
 
 from . import probes
-from .discovery import DiscoveryWarning, ModelMap, discover
+from .discovery import Attention, DiscoveryWarning, ModelMap, NormLayer, discover
 from .discovery.trace import ADD_OPS, SDPA_OPS, SOFTMAX_OPS, get_by_key, iter_tensors
 from .sinks import Chart, Record, Sink, TensorBoardSink, chart_regex
 
@@ -81,6 +87,22 @@ def tagged_blocks(depth: int, cap: int) -> list[int]:
     if depth <= cap:
         return list(range(depth))
     return sorted({round(i * (depth - 1) / (cap - 1)) for i in range(cap)})
+
+
+def tagged_paths(paths: Iterable[str], cap: int) -> set[str]:
+    """Module paths that get their own scalar tags, at most ``cap`` per group of paths that
+    differ only in their indices (``blocks.{0..999}.ln_1``), spread evenly like blocks."""
+    groups: dict[tuple[str, ...], list[tuple[tuple[int, ...], str]]] = {}
+    for path in paths:
+        parts = path.split(".")
+        template = tuple("#" if part.isdigit() else part for part in parts)
+        index = tuple(int(part) for part in parts if part.isdigit())
+        groups.setdefault(template, []).append((index, path))
+    kept: set[str] = set()
+    for members in groups.values():
+        members.sort()
+        kept.update(members[i][1] for i in tagged_blocks(len(members), cap))
+    return kept
 
 
 class _InertHook:
@@ -238,6 +260,8 @@ class Probe:
         self.phase = phase % every
         self.name_prefix = name_prefix
         self.model_map: ModelMap | None = None
+        self._norms: list[NormLayer] = []  # the norms and attention modules read (tagged_paths)
+        self._attention: list[Attention] = []
         self.latest: Record | None = None
         self._handles: list[RemovableHandle] = []
         self._logged = self._is_logged(start_step)
@@ -256,6 +280,7 @@ class Probe:
         self._layout_written = False
         self._warned_nonfinite = False
         self._removed = False
+        self._step_depth = 0  # optimizer step hooks entered, not yet left (_before_optimizer)
         self._tags: dict[str, str] = {}
         self.persistent_hooks = persistent_hooks
         self._plan: list[Callable[[], RemovableHandle]] = []
@@ -289,6 +314,12 @@ class Probe:
     def _install(self, model_map: ModelMap) -> None:
         self.model_map = model_map
         modules = dict(self.model.named_modules(remove_duplicate=False))
+        # norm and attention statistics of deep models: scalar tags for at most
+        # max_block_tags layers of each kind (blocks.*.ln_1), the rest is not read
+        kept = tagged_paths([n.path for n in model_map.norms], self.max_block_tags)
+        self._norms = [n for n in model_map.norms if n.path in kept]
+        kept = tagged_paths([a.path for a in model_map.attention], self.max_block_tags)
+        self._attention = [a for a in model_map.attention if a.path in kept]
         self._tags = self._module_tags(model_map, modules)
         self._block_params = {
             s.path: [list(modules[b].parameters()) for b in s.blocks] for s in model_map.stacks
@@ -312,16 +343,16 @@ class Probe:
             streamed = self._plan_streams(model_map, at)
         self._layout_slots(model_map, streamed)
         if "norm_rms" in self.metrics:
-            for n in model_map.norms:
+            for n in self._norms:
                 at(n.path).pre.append(_Read(0, None, self._setter(("norm_in_rms", n.path))))
                 at(n.path).post.append(_Read(0, None, self._setter(("norm_out_rms", n.path))))
         if "logits" in self.metrics and model_map.head is not None:
             at(model_map.head).post.append(_Read(0, None, self._logits))
         if "attn_logits" in self.metrics:
-            for a in model_map.attention:
+            for a in self._attention:
                 at(a.path).attention = self._attention_reader(a.path)
         if "bn_stats" in self.metrics:
-            for n in model_map.norms:
+            for n in self._norms:
                 m = modules[n.path]
                 if isinstance(m, _BatchNorm) and m.running_mean is not None:
                     at(n.path).batchnorm = self._batchnorm_reader(n.path, m)
@@ -481,9 +512,17 @@ class Probe:
         return step == 0 or step % self.every == self.phase
 
     def _root_pre(self, *_: Any) -> None:
+        # no forward runs inside an optimizer step's hooks but a closure's (LBFGS): a count
+        # left by a step that raised must not swallow the next step
+        self._step_depth = 0
         self._begin_forward()
 
     def _begin_forward(self) -> None:
+        if self._recording and not self.persistent_hooks:
+            # the last recorded forward never reached its end (a KeyboardInterrupt skips even
+            # always_call hooks): drop what it measured and the modes it left entered
+            self._pending.clear()
+            self._exit_modes()
         if self.persistent_hooks:
             # Compiled models: every forward runs the same hooks on the same Python state, so
             # the graph never changes; only the logged steps' values are read back.
@@ -499,9 +538,13 @@ class Probe:
             if not self.persistent_hooks:
                 self._arm()
 
-    def _root_post(self, *_: Any) -> None:
+    def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
         self._validating = False
         self._prev_stream.clear()
+        if out is None and sys.exc_info()[0] is not None and not self.persistent_hooks:
+            # the forward raised (torch runs always_call hooks with no output): what it
+            # measured must not mix with a retried forward's
+            self._pending.clear()
         if not self.persistent_hooks:
             self._recording = False
             self._exit_modes()
@@ -518,12 +561,18 @@ class Probe:
             handle.remove()
         self._armed = []
 
+    # An optimizer subclass whose step() calls super().step() runs the step hooks twice, nested
+    # (torch wraps every class's step): only the outermost pair is one training step.
     def _before_optimizer(self, *_: Any) -> None:
-        self.before_optimizer_step()
+        self._step_depth += 1
+        if self._step_depth == 1:
+            self.before_optimizer_step()
 
     def _after_optimizer(self, *_: Any) -> None:
-        self.end_step()
-        self._advance()
+        self._step_depth = max(self._step_depth - 1, 0)
+        if self._step_depth == 0:
+            self.end_step()
+            self._advance()
 
     def begin_step(self, step: int) -> None:
         """Start training step ``step`` (for drivers that count steps themselves).
@@ -577,7 +626,7 @@ class Probe:
                 self._pending[("grad_sq", s)] = probes.grad_squares(blocks)
         if "norm_gain" in self.metrics:
             modules = dict(self.model.named_modules())
-            for n in self.model_map.norms:
+            for n in self._norms:
                 weight = getattr(modules[n.path], "weight", None)
                 if isinstance(weight, torch.Tensor) and weight.is_floating_point():
                     self._pending[("gain", n.path)] = probes.gain_stats(weight, n.gain_offset or 0)
@@ -701,7 +750,7 @@ class Probe:
                     entries.append((("resid_rms", stack, b), 1, "rms"))
                 if "resid_cos" in chosen and b - 1 in blocks:
                     entries.append((("resid_cos", stack, b), 1, "mean"))
-        for n in model_map.norms:
+        for n in self._norms:
             if "norm_rms" in chosen:
                 entries += [
                     (("norm_in_rms", n.path), 1, "rms"),
@@ -717,7 +766,7 @@ class Probe:
             entries += [(("logits_max",), 1, "max"), (("logits_rms",), 1, "rms")]
             entries.append((("logits_z",), 1, "mean"))
         if "attn_logits" in chosen:
-            entries += [(("attn_logit_max", a.path), 1, "max") for a in model_map.attention]
+            entries += [(("attn_logit_max", a.path), 1, "max") for a in self._attention]
         for s in model_map.stacks:
             if "grad_norm" in chosen:
                 entries.append((("grad_sq", s.path), s.depth, self.param_reduce))
@@ -876,15 +925,26 @@ class Probe:
                 f"normprobe: {model_map.model_type} has {'; '.join(missing)}: "
                 "logging the other metrics",
                 DiscoveryWarning,
-                stacklevel=3,
+                stacklevel=5,  # attach's caller (through discover_now and _install)
             )
 
     def _exit_modes(self) -> None:
-        """Leave modes a forward that raised midway left entered, innermost first."""
-        for modes in reversed(list(self._modes.values())):
-            for mode in reversed(modes):
-                mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        """Take the modes a forward that raised midway left entered off torch's mode stack.
+
+        By identity, wherever they sit: after a KeyboardInterrupt other modes may have been
+        entered above them (or theirs left), so popping the top could remove someone else's.
+        """
+        stale = {id(mode) for modes in self._modes.values() for mode in modes}
         self._modes.clear()
+        if not stale:
+            return
+        stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+        if not any(id(mode) in stale for mode in stack):
+            return
+        popped = [_pop_mode() for _ in stack]  # type: ignore[no-untyped-call]
+        for mode in reversed(popped):
+            if id(mode) not in stale:
+                _push_mode(mode)  # type: ignore[no-untyped-call]
 
     # lifetime ------------------------------------------------------------------------------------
     def remove(self) -> None:
@@ -969,7 +1029,8 @@ def attach(
         example_inputs, example_kwargs: inputs to map the model now instead of on its first
             forward.
         max_block_tags: deeper stacks get scalar tags for this many evenly spread blocks only
-            (depth histograms always hold every block).
+            (depth histograms always hold every block); norm and attention layers repeated
+            more often (``blocks.*.ln_1``) are measured at this many evenly spread ones.
 
     Returns:
         A `Probe`, also a context manager; ``probe.remove()`` is idempotent.

@@ -32,3 +32,14 @@ def read_events(log_dir: str) -> Events:
     raw = [e for t in tags["tensors"] if t == "custom_scalars__config__" for e in acc.Tensors(t)]
     layouts = [layout_pb2.Layout.FromString(e.tensor_proto.string_val[0]) for e in raw]
     return Events(scalars, histograms, texts, layouts)
+
+
+def read_texts(log_dir: str) -> dict[str, list[tuple[int, str]]]:
+    """Text summaries as (step, text), the way TensorBoard's text plugin stores them."""
+    acc = event_accumulator.EventAccumulator(log_dir, size_guidance={event_accumulator.TENSORS: 0})
+    acc.Reload()
+    return {
+        t: [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(t)]
+        for t in acc.Tags()["tensors"]
+        if t.endswith("/text_summary")
+    }

@@ -394,3 +394,25 @@ def test_anchor_reads_equal_the_add_outputs() -> None:
             h = h + lin(ln(h))
             expected.append(float(h.pow(2).mean().sqrt()))
     assert [seen[i] for i in range(6)] == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_block_registered_under_two_names_keeps_its_first_name() -> None:
+    # `alias` is stack.0 under a second name; named_modules() calls it stack.0, and so must every
+    # part of the map: the stack keeps all 3 blocks and the first add belongs to stack.0
+    class Aliased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stack = nn.ModuleList(PreBlock(8, nn.LayerNorm(8)) for _ in range(3))
+            self.alias = self.stack[0]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.stack:
+                x = block(x)
+            return x
+
+    m = normprobe.discover(Aliased(), torch.randn(2, 8))
+    assert [(s.path, s.depth) for s in m.stacks] == [("stack", 3)]
+    assert m.stacks[0].blocks == ("stack.0", "stack.1", "stack.2")
+    assert [a.module for a in m.residual_adds] == ["stack.0", "stack.1", "stack.2"]
+    assert [a.stack for a in m.residual_adds] == ["stack"] * 3
+    assert [n.path for n in m.norms] == ["stack.0.norm", "stack.1.norm", "stack.2.norm"]

@@ -27,7 +27,7 @@ from .model_map import (
 )
 from .residual import FoundAdd, find_residual_adds
 from .stacks import FoundStack, executed_stacks, structural_stacks
-from .trace import MATMUL_OPS, Graph, trace
+from .trace import MATMUL_OPS, Graph, Key, trace
 
 
 class DiscoveryWarning(UserWarning):
@@ -156,6 +156,7 @@ class _Builder:
         self.g = g
         self.trace_ms = trace_ms
         self.notes: list[str] = []
+        self._seen_at: dict[int, list[tuple[int, tuple[int, str, int, Key]]]] | None = None
         self.weight_layers = {
             path
             for path, m in model.named_modules()
@@ -168,10 +169,8 @@ class _Builder:
         if g is not None:
             stacks = executed_stacks(stacks, g)
         self.stacks = stacks
-        self.blocks = sorted(
-            ((b, s.path, i) for s in stacks for i, b in enumerate(s.blocks)),
-            key=lambda item: -len(item[0]),
-        )
+        # block path -> (stack, index); a path's blocks are found among its dotted prefixes
+        self.blocks = {b: (s.path, i) for s in stacks for i, b in enumerate(s.blocks)}
         first_call: dict[str, int] = {}
         if g is not None:
             for cid, call in enumerate(g.calls):
@@ -391,9 +390,13 @@ class _Builder:
     def _anchor(self, a: FoundAdd) -> Anchor:
         g = self.g
         assert g is not None
+        if self._seen_at is None:  # boundary events by the value they show, in one pass
+            self._seen_at = {}
+            for node, event in g.boundary.items():
+                self._seen_at.setdefault(g.exact[node], []).append((node, event))
         best = None
-        for node, event in g.boundary.items():
-            if node >= a.out and g.exact[node] == a.out and (best is None or event < best):
+        for node, event in self._seen_at.get(a.out, []):
+            if node >= a.out and (best is None or event < best):
                 best = event
         if best is None:  # only the forward that computed it sees it: count adds there
             call = g.calls[a.call]
@@ -405,11 +408,9 @@ class _Builder:
     # stacks ------------------------------------------------------------------------------------
     def _blocks_of(self, path: str) -> list[tuple[str, int]]:
         """(stack, block index) of every block containing ``path``, innermost first."""
-        return [
-            (stack, index)
-            for block, stack, index in self.blocks
-            if path == block or path.startswith(block + ".")
-        ]
+        parts = path.split(".")
+        prefixes = (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+        return [self.blocks[p] for p in prefixes if p in self.blocks]
 
     def _block_of(self, path: str) -> tuple[str, int] | None:
         found = self._blocks_of(path)
@@ -421,7 +422,7 @@ class _Builder:
 
     def _stack(self, s: FoundStack, norms: list[NormLayer], adds: list[ResidualAdd]) -> Stack:
         def inside(path: str) -> bool:
-            return any(path == b or path.startswith(b + ".") for b in s.blocks)
+            return any(stack == s.path for stack, _ in self._blocks_of(path))
 
         mine = [a for a in adds if a.stack == s.path or inside(a.module)]
         by_path = {n.path: n for n in norms}
@@ -441,14 +442,7 @@ class _Builder:
             placement = "in-branch"
         else:
             placement = "no-norm"
-        parent = next(
-            (
-                stack
-                for block, stack, _ in self.blocks
-                if stack != s.path and s.path.startswith(block + ".")
-            ),
-            None,
-        )
+        parent = next((stack for stack, _ in self._blocks_of(s.path) if stack != s.path), None)
         return Stack(s.path, tuple(s.blocks), s.block_type, placement, "qk" in roles, parent)
 
     # attention and head ------------------------------------------------------------------------

@@ -178,7 +178,8 @@ class _Recorder(TorchFunctionMode):
     ) -> None:
         super().__init__()
         self.g = Graph()
-        self.names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        # a module registered under two names goes by its first, as in named_modules()
+        self.names = {id(m): name for name, m in model.named_modules()}
         self.capture = capture
         self.param_ids = {id(p) for p in model.parameters()}
         self.owners: dict[int, list[str]] = {}
