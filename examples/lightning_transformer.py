@@ -10,25 +10,14 @@ callback in `main()`. The corpus ships with Python (see `normprobe.corpus`): not
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 import normprobe
-from normprobe.corpus import CharCorpus
+from normprobe.corpus import CharBatches, CharCorpus
 from normprobe.models import TinyTransformer
-
-
-class Windows(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
-    def __init__(self, corpus: CharCorpus, batch_size: int) -> None:
-        self.corpus = corpus
-        self.batch_size = batch_size
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            yield self.corpus.batch(self.batch_size)
 
 
 class CharLM(L.LightningModule):
@@ -64,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     corpus = CharCorpus(context=64)
-    data = DataLoader(Windows(corpus, batch_size=16), batch_size=None)
+    data = DataLoader(CharBatches(corpus, batch_size=16), batch_size=None)
     trainer = L.Trainer(
         max_steps=args.steps,
         log_every_n_steps=10,

@@ -12,8 +12,10 @@ import heapq
 import inspect
 import string
 import textwrap
+from collections.abc import Iterator
 
 import torch
+from torch.utils.data import IterableDataset
 
 _MODULES = (textwrap, string, heapq, bisect)
 
@@ -49,3 +51,15 @@ class CharCorpus:
         )
         window = torch.stack([self.ids[s : s + self.context + 1] for s in starts.tolist()])
         return window[:, :-1], window[:, 1:]
+
+
+class CharBatches(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """An endless stream of ``corpus.batch(batch_size)``: a DataLoader with ``batch_size=None``."""
+
+    def __init__(self, corpus: CharCorpus, batch_size: int) -> None:
+        self.corpus = corpus
+        self.batch_size = batch_size
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.corpus.batch(self.batch_size)

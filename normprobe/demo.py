@@ -20,30 +20,20 @@ import argparse
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
-from .corpus import CharCorpus
+from .corpus import CharBatches, CharCorpus
 from .init import reinit
 from .models import TinyTransformer
 from .surgery import convert_norms
 
 WIDTH, DEPTH, HEADS, CONTEXT = 64, 6, 4, 64
 BATCH, LR = 32, 3e-3
-
-
-class _Windows(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
-    def __init__(self, corpus: CharCorpus, batch_size: int) -> None:
-        self.corpus = corpus
-        self.batch_size = batch_size
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            yield self.corpus.batch(self.batch_size)
 
 
 def _pre_ln(vocab: int) -> nn.Module:
@@ -119,7 +109,7 @@ def _train(name: str, make: Callable[[int], nn.Module], steps: int, root: str) -
         enable_model_summary=False,
     )
     print(f"\n== {name}")
-    trainer.fit(module, DataLoader(_Windows(corpus, BATCH), batch_size=None))
+    trainer.fit(module, DataLoader(CharBatches(corpus, BATCH), batch_size=None))
     scalars = probe.latest.scalars if probe.latest else {}
     tail = torch.stack(module.losses[-20:]).mean().item()  # one read at the end
     attention = [v for k, v in scalars.items() if k.startswith("normprobe/attn_logit_max/")]
