@@ -501,7 +501,7 @@ def _rows(scalars: dict[str, Series]) -> list[Trend]:
         for m in members:
             for step, value in scalars[m.tag]:
                 by_step.setdefault(step, []).append(value)
-        # a step where some member was not logged (a NaN is not written) would mix blocks
+        # a step where some member was not logged (not measured there) would mix blocks
         steps = sorted(s for s, vs in by_step.items() if len(vs) == len(members))
         if not steps:
             continue

@@ -663,7 +663,8 @@ class Probe:
         if packed is None:
             return
         values = packed.tolist()  # the one transfer to the host
-        record = self._record(values, validation)
+        half = len(values) // 2
+        record = self._record(values[:half], values[half:], validation)
         if not validation:
             self.latest = record
         if self._is_writer():
@@ -677,7 +678,8 @@ class Probe:
         self._layout_written = True
 
     def _pack(self) -> torch.Tensor | None:
-        """All slots in one float32 vector (NaN where nothing was measured), ranks combined."""
+        """All slots in one float32 vector, ranks combined: the values (0 where nothing was
+        measured), then a presence flag per value, so that a measured NaN stays a NaN."""
         if not self._slots:
             return None
         distributed = _world_size() > 1
@@ -685,38 +687,43 @@ class Probe:
             return None
         device = self._device()
         total = sum(slot.size for slot in self._slots.values())
-        missing = torch.full((total,), math.nan, device=device)  # slices of it fill the gaps
-        parts = []
+        zeros = torch.zeros(total, device=device)  # slices of these fill the gaps
+        ones = torch.ones(total, device=device)
+        values, present = [], []
         for key, slot in self._slots.items():
             value = self._pending.get(key)
             if value is None:
-                parts.append(missing[: slot.size])
+                values.append(zeros[: slot.size])
+                present.append(zeros[: slot.size])
             else:
-                parts.append(value.reshape(-1).to(device, torch.float32))
-        packed = torch.cat(parts)
+                values.append(value.reshape(-1).to(device, torch.float32))
+                present.append(ones[: slot.size])
+        packed = torch.cat(values + present)
         if distributed:
-            packed = self._combine_ranks(packed)
+            packed = self._combine_ranks(packed, total)
         return packed
 
-    def _combine_ranks(self, packed: torch.Tensor) -> torch.Tensor:
+    def _combine_ranks(self, packed: torch.Tensor, total: int) -> torch.Tensor:
         import torch.distributed as dist
 
         gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, packed)  # the one collective of a logged step
         ranks = torch.stack(gathered)
-        missing = ranks.isnan()
-        nowhere = missing.all(dim=0)
+        values, present = ranks[:, :total], ranks[:, total:] > 0.5
+        count = present.sum(dim=0)
+        kept = torch.where(present, values, torch.zeros((), device=values.device))
+        mean_of = count.clamp_min(1)
         combined = {
-            "mean": ranks.nanmean(dim=0),
-            "rms": ranks.pow(2).nanmean(dim=0).sqrt(),
-            "sum": ranks.nansum(dim=0),
-            "max": ranks.masked_fill(missing, -math.inf).amax(dim=0),
-            "min": ranks.masked_fill(missing, math.inf).amin(dim=0),
+            "mean": kept.sum(dim=0) / mean_of,
+            "rms": (kept.pow(2).sum(dim=0) / mean_of).sqrt(),
+            "sum": kept.sum(dim=0),
+            "max": values.masked_fill(~present, -math.inf).amax(dim=0),
+            "min": values.masked_fill(~present, math.inf).amin(dim=0),
         }
-        out = packed.clone()
+        out = torch.zeros(total, device=values.device)
         for kind, index in self._reduce_index(packed.device).items():
             out[index] = combined[kind][index]
-        return out.masked_fill(nowhere, math.nan)
+        return torch.cat([out, (count > 0).float()])
 
     def _reduce_index(self, device: torch.device) -> dict[str, torch.Tensor]:
         if self._reduce_cache is None or self._reduce_cache[0] != device:
@@ -780,16 +787,18 @@ class Probe:
             self._slots[key] = _Slot(offset, size, reduce)
             offset += size
 
-    def _record(self, values: list[float], validation: bool = False) -> Record:
+    def _record(
+        self, values: list[float], present: list[float], validation: bool = False
+    ) -> Record:
         assert self.model_map is not None
         record = Record(self.step_count)
         out = record.scalars
         per_block: dict[tuple[str, str], dict[int, float]] = {}
         bad: list[tuple[float, str]] = []
         for key, slot in self._slots.items():
-            vals = values[slot.offset : slot.offset + slot.size]
-            if all(v != v for v in vals):  # NaN: not measured on this step
+            if not present[slot.offset]:  # not measured on this step
                 continue
+            vals = values[slot.offset : slot.offset + slot.size]
             family = str(key[0])
             if validation and family != "bn":
                 continue
@@ -797,7 +806,7 @@ class Probe:
                 per_block.setdefault((family, str(key[1])), {})[int(key[2])] = vals[0]
             elif family == "grad_sq":
                 per_block[("grad_norm", str(key[1]))] = {
-                    b: math.sqrt(v) for b, v in enumerate(vals) if v == v
+                    b: math.sqrt(v) for b, v in enumerate(vals)
                 }
             elif family == "update_sq":
                 old = values[self._slots[("weight_sq", key[1])].offset :][: slot.size]

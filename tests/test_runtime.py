@@ -514,3 +514,22 @@ def test_a_model_that_is_itself_a_norm_layer(tmp_path: Path) -> None:
     assert probe.latest is not None and probe.latest.step == 1
     # after one training forward the running mean moved 10% of the way: drift ~ 2.7
     assert probe.latest.scalars["normprobe/bn_mean_drift/root"] == pytest.approx(2.7, rel=0.05)
+
+
+def test_a_measured_nan_is_logged_as_nan_not_dropped(tmp_path: Path) -> None:
+    model = ResidualStack(4, 8)
+    with torch.no_grad():
+        model.lins[2].weight[0, 0] = float("nan")
+    metrics = ["resid_rms", "grad_norm"]
+    with normprobe.attach(model, log_dir=str(tmp_path), metrics=metrics) as probe:
+        model(torch.randn(2, 8)).pow(2).mean().backward()
+        probe.step()
+    assert probe.latest is not None
+    s = probe.latest.scalars
+    assert math.isfinite(s["normprobe/resid_rms/lins/1"])
+    assert math.isnan(s["normprobe/resid_rms/lins/2"]) and math.isnan(
+        s["normprobe/resid_rms/lins/3"]
+    )
+    assert math.isnan(s["normprobe/grad_ratio/lins"])
+    events = read_events(str(tmp_path))
+    assert math.isnan(events.scalars["normprobe/resid_rms/lins/3"][0][1])  # on disk too
