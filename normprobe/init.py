@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .discovery import DiscoveryWarning, ModelMap, NormLayer, ResidualAdd, discover
+from .discovery.mapping import read_only
 
 Scheme = Literal["gpt2", "fixup", "deepnorm", "kaiming", "xavier", "zero_branch"]
 BranchScaleKind = Literal["rezero", "layerscale", "skipinit"]
@@ -249,22 +250,10 @@ def _is_bias_name(name: str) -> bool:
 
 @contextmanager
 def _observing(model: nn.Module) -> Iterator[None]:
-    """Eval mode, no grad, forked RNGs; buffers (BatchNorm statistics) and modes restored."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    modes = [(m, m.training) for m in model.modules()]
-    cuda = sorted(
-        {t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.is_cuda}
-    )
-    try:
+    """Discovery's read-only context in eval mode, with the hooks reinit registers running."""
+    with read_only(model, silence_hooks=False):
         model.eval()
-        with torch.random.fork_rng(devices=cuda), torch.no_grad():
-            yield
-    finally:
-        with torch.no_grad():
-            for b, value in buffers:
-                b.copy_(value)
-        for m, mode in modes:
-            m.training = mode
+        yield
 
 
 class _Target:

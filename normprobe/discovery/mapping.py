@@ -123,11 +123,16 @@ _HOOK_DICTS = (
 
 
 @contextmanager
-def read_only(model: nn.Module) -> Iterator[None]:
-    """Silence the model's own forward hooks; restore them, buffers, modes and RNGs on exit."""
+def read_only(model: nn.Module, silence_hooks: bool = True) -> Iterator[None]:
+    """No grad, forked RNGs; buffers (BatchNorm statistics), modes and, unless asked to keep
+    them running, the model's own forward hooks (silenced meanwhile) restored on exit."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     modes = [(m, m.training) for m in model.modules()]
-    hooks = [(m, {name: getattr(m, name) for name in _HOOK_DICTS}) for m in model.modules()]
+    hooks = (
+        [(m, {name: getattr(m, name) for name in _HOOK_DICTS}) for m in model.modules()]
+        if silence_hooks
+        else []
+    )
     for m, saved in hooks:
         for name, value in saved.items():
             setattr(m, name, type(value)())
