@@ -170,7 +170,7 @@ class NormProbe(Callback):
             max_block_tags=self.max_block_tags,
             start_step=trainer.global_step,
             persistent_hooks=compiled,
-            param_reduce="sum" if isinstance(trainer.strategy, FSDPStrategy) else "mean",
+            param_reduce=_param_reduce(trainer.strategy),
             phase=every - 1,  # Lightning logs step s when (s + 1) % every == 0
             name_prefix=_prefix(trainer.lightning_module, module),
         )
@@ -309,6 +309,14 @@ def _prefix(pl_module: nn.Module, module: nn.Module) -> str:
         if child is module:
             return name + "."
     return ""
+
+
+def _param_reduce(strategy: Any) -> str:
+    """``"sum"`` (each rank holds a shard) under a sharding FSDPStrategy, whose FSDP1 shards are
+    plain tensors; DTensor shards (ModelParallelStrategy) the probe finds by itself."""
+    if isinstance(strategy, FSDPStrategy) and strategy.sharding_strategy.name != "NO_SHARD":
+        return "sum"
+    return "mean"
 
 
 def _is_compiled(module: nn.Module) -> bool:

@@ -7,25 +7,54 @@ reads a value back to the host.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 # Attention-logit entries at or below this are taken as masked (HF uses finfo.min, older code
 # -1e9 or -10000); no unmasked logit of a working model is that negative.
 MASKED_LOGIT = -1e4
 
 
+def _wide(x: torch.Tensor) -> torch.dtype:
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def rms(x: torch.Tensor) -> torch.Tensor:
     """Root mean square of all elements: sqrt(mean(x^2)), reduced in float32 or wider."""
-    wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-    return torch.linalg.vector_norm(x.detach(), dtype=wide) / math.sqrt(max(x.numel(), 1))
+    return torch.linalg.vector_norm(x.detach(), dtype=_wide(x)) / math.sqrt(max(x.numel(), 1))
 
 
 def feature_dim(x: torch.Tensor) -> int:
     """The feature axis: channels (dim 1) for images (N, C, H, W), else the last one."""
     return 1 if x.ndim >= 4 else -1
+
+
+def row_norms(x: torch.Tensor) -> torch.Tensor:
+    """L2 norm of the feature vector (along `feature_dim`) at each position, flattened into one
+    vector, in float32 or wider. Its own L2 norm is ``x``'s."""
+    return torch.linalg.vector_norm(x.detach(), dim=feature_dim(x), dtype=_wide(x)).reshape(-1)
+
+
+def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Dot product of ``a`` and ``b`` along `feature_dim` at each position, flattened like
+    `row_norms`, in float32 or wider."""
+    wide, dim = _wide(a), feature_dim(a)
+    return torch.linalg.vecdot(a.detach().to(wide), b.detach().to(wide), dim=dim).reshape(-1)
+
+
+def cosines_from_rows(
+    dots: torch.Tensor, norms_a: torch.Tensor, norms_b: torch.Tensor, eps: float = 1e-8
+) -> torch.Tensor:
+    """Mean over positions (the last axis) of ``dots / (norms_a * norms_b)``, each norm at
+    least ``eps``; rows stacked along a first axis give one mean cosine per pair of tensors."""
+    return (dots / (norms_a.clamp_min(eps) * norms_b.clamp_min(eps))).mean(dim=-1)
 
 
 def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -34,31 +63,60 @@ def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Between consecutive blocks' residual streams this approaches 1 when deep blocks stop
     changing the representation (Pre-LN representation collapse).
     """
-    dim = feature_dim(a)
-    return F.cosine_similarity(a.detach().float(), b.detach().float(), dim=dim).mean()
+    return cosines_from_rows(row_dots(a, b), row_norms(a), row_norms(b))
 
 
-def grad_squares(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
-    """Sum of squared gradient entries of each group of parameters (0 without gradients).
+def _dtensor_type() -> type[DTensor] | None:
+    module = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
+    return getattr(module, "DTensor", None)
 
-    The square root is each block's gradient L2 norm. Squares, unlike norms, add up across
-    the shards of a sharded (FSDP) gradient.
 
-    Args:
-        groups: per block, its parameters.
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2, tensor parallel), else ``t``: no collective."""
+    dtensor = _dtensor_type()
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
 
-    Returns:
-        A float32 vector with one value per group, on the first gradient's device.
+
+def shard_share(t: torch.Tensor) -> float:
+    """The weight of this rank's shard of ``t`` in a sum over all ranks: 1 / the number of
+    ranks holding the same shard (HSDP's replicas) for a DTensor, 1 for a plain tensor."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(t, dtensor):
+        return 1.0
+    mesh = t.device_mesh
+    shards = math.prod(mesh.size(d) for d, place in enumerate(t.placements) if place.is_shard())
+    return shards / torch.distributed.get_world_size()
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s parameters are sharded across ranks: DTensors (FSDP2), or FSDP1
+    modules inside it that shard (any strategy but ``NO_SHARD``)."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters()):
+        return True
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and any(
+        isinstance(m, fsdp.FullyShardedDataParallel)
+        and m.sharding_strategy != fsdp.ShardingStrategy.NO_SHARD
+        for m in model.modules()
+    )
+
+
+def gain_moments(weight: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+    """(sum, sum of squares, count) of ``offset + weight - 1`` over this rank's shard.
+
+    Summed over ranks, `gain_from_moments` turns them into the whole gain's (mean, std).
     """
-    grads = [[p.grad.detach() for p in params if p.grad is not None] for params in groups]
-    flat = [g for group in grads for g in group]
-    if not flat:
-        return torch.zeros(len(groups))
-    device = flat[0].device
-    squares = torch.stack([n.to(device) for n in torch._foreach_norm(flat)]).float().pow(2)
-    sizes = [len(group) for group in grads]
-    per_group = [part.sum() for part in squares.split(sizes)]  # type: ignore[no-untyped-call]
-    return torch.stack(per_group)
+    g = local(weight).detach().float() + (offset - 1.0)
+    return torch.stack([g.sum(), g.pow(2).sum(), g.new_full((), g.numel())])
+
+
+def gain_from_moments(total: float, squares: float, count: float) -> tuple[float, float]:
+    """(mean, std) of a gain from its summed `gain_moments` (host floats)."""
+    if count <= 0:
+        return math.nan, math.nan
+    mean = total / count
+    return 1.0 + mean, math.sqrt(max(squares / count - mean * mean, 0.0))
 
 
 def sample_stride(shape: Sequence[int], budget: int) -> int:
@@ -81,37 +139,70 @@ def _is_prime(n: int) -> bool:
     return n >= 2 and all(n % d for d in range(2, math.isqrt(n) + 1))
 
 
-def strided_sample(t: torch.Tensor, stride: int) -> torch.Tensor:
-    """Every ``stride``-th entry of ``t`` (flattened), as a new tensor."""
-    return t.detach().reshape(-1)[::stride].clone()
+def squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared entries of each tensor, as one vector (float32, or float64 if a tensor is),
+    on the first tensor's device. The square root of a block's sum is its L2 norm; squares,
+    unlike norms, add up across shards.
+
+    Of a DTensor (FSDP2), its local shard's, weighted by `shard_share`: summed over ranks,
+    the whole tensor's.
+    """
+    shares = None
+    dtensor = _dtensor_type()
+    if dtensor is not None and any(isinstance(t, dtensor) for t in tensors):
+        shares = [shard_share(t) for t in tensors]
+        tensors = [local(t) for t in tensors]
+    wide = None if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    norms = torch._foreach_norm(list(tensors), 2, dtype=wide)
+    if shares is not None and any(share != 1.0 for share in shares):
+        norms = torch._foreach_mul(norms, [math.sqrt(share) for share in shares])
+    device = norms[0].device
+    return torch.stack([n if n.device == device else n.to(device) for n in norms]).pow(2)
+
+
+def group_sums(values: torch.Tensor, index: torch.Tensor, groups: int) -> torch.Tensor:
+    """``out[g]``: the sum of the ``values[i]`` with ``index[i] == g``, for ``g < groups``."""
+    return values.new_zeros(groups).index_add_(0, index, values)
+
+
+def strided_views(tensors: Sequence[torch.Tensor], strides: Sequence[int]) -> list[torch.Tensor]:
+    """Every ``stride``-th entry of each tensor (flattened), as views (no copy)."""
+    shards = [local(t).detach() for t in tensors]  # a DTensor's (FSDP2) local shard
+    return [t if s == 1 else t.reshape(-1)[::s] for t, s in zip(shards, strides, strict=True)]
+
+
+def strided_samples(tensors: Sequence[torch.Tensor], strides: Sequence[int]) -> list[torch.Tensor]:
+    """Copies of `strided_views`: what `update_squares` compares against after a step."""
+    return list(torch._foreach_mul(strided_views(tensors, strides), 1.0))
 
 
 def update_squares(
-    before: Sequence[Sequence[tuple[torch.Tensor, int, torch.Tensor]]],
+    params: Sequence[torch.Tensor],
+    strides: Sequence[int],
+    before: Sequence[torch.Tensor],
+    weights: torch.Tensor,
+    index: torch.Tensor,
+    groups: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Squared size of each group's change across an optimizer step, and of its old value.
 
     ``sqrt(change / old)`` is the update-to-weight ratio ||new - old|| / ||old||.
 
     Args:
-        before: per group, ``(parameter, stride, sample taken before the step)`` for each of its
-            parameters; squared sums of a strided sample are scaled by the stride, so a sample
-            estimates the whole tensor (exact with stride 1).
+        params: the parameters, after the step.
+        strides: each parameter's sampling stride.
+        before: `strided_samples` of ``params`` taken before the step.
+        weights: the strides as a float32 tensor: a strided sample's squared sum times its
+            stride estimates the whole tensor's (exact with stride 1).
+        index: the group of each parameter.
+        groups: the number of groups.
 
     Returns:
         Two float32 vectors, one value per group.
     """
-    changes: list[torch.Tensor] = []
-    olds: list[torch.Tensor] = []
-    for group in before:
-        delta = torch._foreach_norm([strided_sample(p, s) - old for p, s, old in group])
-        size = torch._foreach_norm([old for _, _, old in group])
-        device = group[0][2].device
-        weights = [float(s) for _, s, _ in group]
-        for norms, out in ((delta, changes), (size, olds)):
-            squares = torch._foreach_mul(torch._foreach_pow(norms, 2), weights)
-            out.append(torch.stack([v.to(device).float() for v in squares]).sum())
-    return torch.stack(changes), torch.stack(olds)
+    change = squared_norms(torch._foreach_sub(strided_views(params, strides), list(before)))
+    old = squared_norms(before)
+    return group_sums(change * weights, index, groups), group_sums(old * weights, index, groups)
 
 
 def logit_stats(logits: torch.Tensor) -> torch.Tensor:
@@ -203,19 +294,20 @@ def batchnorm_stats(
     return torch.stack([mean_drift, var_drift, gap])
 
 
-def gain_stats(weight: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
-    """(mean, std) of a norm's effective gain ``offset + weight`` (Gemma: offset 1)."""
-    g = weight.detach().float() + offset
-    return torch.stack([g.mean(), g.std(unbiased=False)])
+def gain_stats(weight: torch.Tensor, offset: float | torch.Tensor = 0.0) -> torch.Tensor:
+    """(mean, std) along the last axis of a norm's effective gain ``offset + weight`` (Gemma:
+    offset 1); for stacked ``(n, C)`` weights and ``(n,)`` offsets, one row per norm."""
+    g = weight.detach().float()
+    return torch.stack([g.mean(dim=-1) + offset, g.std(dim=-1, unbiased=False)], dim=-1)
 
 
-def all_finite(x: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor: no NaN or Inf in ``x``.
+def finite_sum(x: torch.Tensor) -> torch.Tensor:
+    """The float32 sum of ``x``: NaN or Inf exactly when ``x`` holds one.
 
-    One pass: a float32 sum carries any NaN or Inf (it would overflow only for entries near
-    1e38 / numel, far past any trained network's activations).
+    One pass, read back with the step's other statistics (a sum overflows only for entries
+    near 1e38 / numel, far past any trained network's activations).
     """
-    return torch.isfinite(x.detach().sum(dtype=torch.float32))
+    return x.detach().sum(dtype=torch.float32)
 
 
 def loglog_slope(values: Sequence[float]) -> float:

@@ -153,6 +153,37 @@ class _Read:
 
 
 @dataclass
+class _StreamRead:
+    """One block's residual stream on a logged forward, reduced to its per-position norms
+    (and for cosines, its dot products with the previous block's stream)."""
+
+    block: int
+    numel: int
+    norms: torch.Tensor
+    dots: torch.Tensor | None = None
+    prev_norms: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _DeviceConsts:
+    """What the batched reductions index with, made once per device."""
+
+    param_block: torch.Tensor  # int64: the block of each parameter
+    strides: torch.Tensor  # float32: each parameter's update-sample stride
+    order: torch.Tensor  # float32: 0, 1, 2, ... over the model's modules
+    zero: torch.Tensor  # stands in for a missing gradient
+
+
+@dataclass(frozen=True)
+class _GainGroup:
+    """Norms whose weights share shape, dtype, device and gain offset: reduced in one go."""
+
+    modules: list[nn.Module]
+    positions: list[int]  # their (mean, std) slot positions, in order
+    offset: float
+
+
+@dataclass
 class _Sites:
     pre: list[_Read] = field(default_factory=list)
     post: list[_Read] = field(default_factory=list)
@@ -266,17 +297,25 @@ class Probe:
         self._handles: list[RemovableHandle] = []
         self._logged = self._is_logged(start_step)
         self._recording = False
+        # what the current logged step measured, on the device: whole slots by key, and
+        # pieces of slots at given positions of the packed vector
         self._pending: dict[Key, torch.Tensor] = {}
+        self._parts: list[tuple[Sequence[int], torch.Tensor]] = []
+        self._streams: dict[str, list[_StreamRead]] = {}
+        self._finite: list[torch.Tensor] = []  # float32 sums of module outputs, in order
+        self._finite_modules: list[int] = []  # and whose they are (indices into _module_paths)
         self._slots: dict[Key, _Slot] = {}
-        self._exec_index = 0
+        self._finite_seen: set[int] = set()
+        self._device_cache: dict[torch.device, _DeviceConsts] = {}
+        self._positions_cache: tuple[tuple[Any, ...], torch.Tensor] | None = None
         self._reduce_cache: tuple[torch.device, dict[str, torch.Tensor]] | None = None
         self._validating = False
         self.paused = False
         self.param_reduce = param_reduce
         self._calls: dict[str, int] = {}
         self._modes: dict[str, list[TorchFunctionMode]] = {}
-        self._prev_stream: dict[str, tuple[int, torch.Tensor]] = {}
-        self._before_step: dict[str, list[list[tuple[torch.Tensor, int, torch.Tensor]]]] = {}
+        self._prev_stream: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self._update_before: list[torch.Tensor] = []
         self._layout_written = False
         self._warned_nonfinite = False
         self._removed = False
@@ -321,18 +360,24 @@ class Probe:
         kept = tagged_paths([a.path for a in model_map.attention], self.max_block_tags)
         self._attention = [a for a in model_map.attention if a.path in kept]
         self._tags = self._module_tags(model_map, modules)
-        self._block_params = {
-            s.path: [list(modules[b].parameters()) for b in s.blocks] for s in model_map.stacks
-        }
+        self._module_paths = [path for path, _ in self.model.named_modules()]
+        # every block's parameters in one list, each with its block's index over all stacks
+        self._params: list[nn.Parameter] = []
+        self._param_block: list[int] = []
+        self._stack_blocks: dict[str, slice] = {}  # each stack's blocks in that numbering
+        self._blocks = 0
+        for s in model_map.stacks:
+            for block in s.blocks:
+                params = list(modules[block].parameters())
+                self._params += params
+                self._param_block += [self._blocks] * len(params)
+                self._blocks += 1
+            self._stack_blocks[s.path] = slice(self._blocks - len(s.blocks), self._blocks)
         # update ratios compare parameters across the step: keep a copy of at most
-        # UPDATE_SAMPLE_FRACTION of each (and at least UPDATE_SAMPLE_MIN entries) per block
-        self._sampled_params = {
-            s: [
-                [(p, probes.sample_stride(p.shape, _sample_budget(p.numel()))) for p in params]
-                for params in blocks
-            ]
-            for s, blocks in self._block_params.items()
-        }
+        # UPDATE_SAMPLE_FRACTION of each (and at least UPDATE_SAMPLE_MIN entries)
+        self._strides = [
+            probes.sample_stride(p.shape, _sample_budget(p.numel())) for p in self._params
+        ]
         sites: dict[str, _Sites] = {}
 
         def at(path: str) -> _Sites:
@@ -341,7 +386,10 @@ class Probe:
         streamed = {}
         if {"resid_rms", "resid_cos"} & set(self.metrics):
             streamed = self._plan_streams(model_map, at)
+        if self.param_reduce == "mean" and probes.is_sharded(self.model):
+            self.param_reduce = "sum"  # FSDP: each rank holds a shard of the parameters
         self._layout_slots(model_map, streamed)
+        self._gain_groups = self._group_gains(modules)
         if "norm_rms" in self.metrics:
             for n in self._norms:
                 at(n.path).pre.append(_Read(0, None, self._setter(("norm_in_rms", n.path))))
@@ -367,8 +415,8 @@ class Probe:
             for thunk in self._hooks(modules[path], site, path)
         ]
         if "nonfinite" in self.metrics:
-            for path, m in self.model.named_modules():
-                plan.append(partial(m.register_forward_hook, _Hook(self._finite_reader(path))))
+            for index, m in enumerate(self.model.modules()):
+                plan.append(partial(m.register_forward_hook, _Hook(self._finite_reader(index))))
         # last, so that it runs after every read of the root's own output
         root_post = _Hook(self._root_post)
         plan.append(partial(self.model.register_forward_hook, root_post, always_call=True))
@@ -376,6 +424,23 @@ class Probe:
         if self.persistent_hooks or self._logged:
             self._arm()
         self._warn_missing(model_map)
+
+    def _group_gains(self, modules: dict[str, nn.Module]) -> list[_GainGroup]:
+        groups: dict[tuple[Any, ...], _GainGroup] = {}
+        for n in self._norms:
+            slot = self._slots.get(("gain", n.path))
+            if slot is None:
+                continue
+            w = getattr(modules[n.path], "weight", None)
+            if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+                continue
+            offset = float(n.gain_offset or 0)
+            group = groups.setdefault(
+                (w.numel(), w.dtype, w.device, offset), _GainGroup([], [], offset)
+            )
+            group.modules.append(modules[n.path])
+            group.positions.extend(range(slot.offset, slot.offset + slot.size))
+        return list(groups.values())
 
     def _plan_streams(
         self, model_map: ModelMap, at: Callable[[str], _Sites]
@@ -458,17 +523,36 @@ class Probe:
         return set_rms
 
     def _stream_reader(self, stack: str, block: int) -> Callable[[torch.Tensor], None]:
+        """Reduce the stream to per-position norms (and dot products with the previous one);
+        `_finish_streams` turns a forward's worth of them into statistics at once."""
+        cosines = "resid_cos" in self.metrics
+
         def read(t: torch.Tensor) -> None:
-            if "resid_rms" in self.metrics:
-                self._pending[("resid_rms", stack, block)] = probes.rms(t)
-            if "resid_cos" in self.metrics:
-                prev = self._prev_stream.get(stack)
-                if prev is not None and prev[0] == block - 1 and prev[1].shape == t.shape:
-                    cos = probes.mean_cosine(prev[1], t)
-                    self._pending[("resid_cos", stack, block)] = cos
-                self._prev_stream[stack] = (block, t.detach())
+            t = t.detach()
+            here = _StreamRead(block, t.numel(), probes.row_norms(t))
+            self._streams.setdefault(stack, []).append(here)
+            if not cosines:
+                return
+            prev = self._prev_stream.get(stack)
+            if prev is not None and prev[0] == block - 1 and prev[1].shape == t.shape:
+                here.dots, here.prev_norms = probes.row_dots(prev[1], t), prev[2]
+            self._prev_stream[stack] = (block, t, here.norms)
 
         return read
+
+    def _finish_streams(self) -> None:
+        """The logged forward's stream statistics, a few batched operations per stack."""
+        for stack, reads in self._streams.items():
+            rms_slot = self._slots.get(("resid_rms", stack))
+            if rms_slot is not None and reads:
+                self._parts.append(([rms_slot.offset + r.block for r in reads], _stream_rms(reads)))
+            cos_slot = self._slots.get(("resid_cos", stack))
+            pairs = [r for r in reads if r.dots is not None]
+            if cos_slot is not None and pairs:
+                rows = [[r.dots, r.prev_norms, r.norms] for r in pairs]
+                cos = _rowwise(probes.cosines_from_rows, rows)  # type: ignore[arg-type]
+                self._parts.append(([cos_slot.offset + r.block for r in pairs], cos))
+        self._streams.clear()
 
     def _logits(self, t: torch.Tensor) -> None:
         max_abs, rms, z = probes.logit_stats(t)
@@ -492,20 +576,40 @@ class Probe:
 
         return read
 
-    def _finite_reader(self, path: str) -> Callable[..., None]:
-        """Stores the module's position in execution order if its output is not finite."""
-        key = ("nonfinite", path)
+    def _finite_reader(self, index: int) -> Callable[..., None]:
+        """Keeps the sum of the module's output on its first call (NaN/Inf if it holds one);
+        `_finish_finite` turns the forward's sums into execution positions at once."""
 
         def read(mod: nn.Module, args: Any, out: Any) -> None:
-            if not self._recording or key in self._pending:
+            if not self._recording or index in self._finite_seen:
                 return
-            flags = [probes.all_finite(t) for _, t in iter_tensors(out) if t.is_floating_point()]
-            if flags:
-                ok = torch.stack(flags).all() if len(flags) > 1 else flags[0]
-                self._pending[key] = torch.where(ok, math.inf, float(self._exec_index))
-                self._exec_index += 1
+            if isinstance(out, torch.Tensor):
+                if not out.is_floating_point():
+                    return
+                total = probes.finite_sum(out)
+            else:
+                sums = [probes.finite_sum(t) for _, t in iter_tensors(out) if t.is_floating_point()]
+                if not sums:
+                    return
+                total = torch.stack(sums).sum() if len(sums) > 1 else sums[0]
+            self._finite_seen.add(index)
+            self._finite.append(total)
+            self._finite_modules.append(index)
 
         return read
+
+    def _finish_finite(self) -> None:
+        """Per module: its position in execution order if its output was not finite, else inf
+        (ranks keep the minimum)."""
+        slot = self._slots.get(("nonfinite",))
+        if slot is not None and self._finite:
+            sums = torch.stack(self._finite)
+            order = self._consts(sums.device).order[: len(sums)]
+            position = torch.where(torch.isfinite(sums), math.inf, order)
+            self._parts.append(([slot.offset + i for i in self._finite_modules], position))
+        self._finite.clear()
+        self._finite_modules.clear()
+        self._finite_seen.clear()
 
     # the schedule ------------------------------------------------------------------------------
     def _is_logged(self, step: int) -> bool:
@@ -521,20 +625,23 @@ class Probe:
         if self._recording and not self.persistent_hooks:
             # the last recorded forward never reached its end (a KeyboardInterrupt skips even
             # always_call hooks): drop what it measured and the modes it left entered
-            self._pending.clear()
+            self._clear_measured()
             self._exit_modes()
         if self.persistent_hooks:
             # Compiled models: every forward runs the same hooks on the same Python state, so
             # the graph never changes; only the logged steps' values are read back.
             self._recording = self.model_map is not None and not self._removed
-            self._pending.clear()
+            self._clear_measured()
         else:
             wanted = self._validating or (self._logged and not self.paused)
             self._recording = wanted and not self._removed and self.model_map is not None
-        if self._recording:
+        if self._recording:  # of several forwards in a step (accumulation), the last counts
             self._calls.clear()
             self._prev_stream.clear()
-            self._exec_index = 0
+            self._streams.clear()
+            self._finite.clear()
+            self._finite_modules.clear()
+            self._finite_seen.clear()
             if not self.persistent_hooks:
                 self._arm()
 
@@ -543,13 +650,26 @@ class Probe:
         self._prev_stream.clear()
         if out is None and sys.exc_info()[0] is not None and not self.persistent_hooks:
             # the forward raised (torch runs always_call hooks with no output): what it
-            # measured must not mix with a retried forward's
-            self._pending.clear()
+            # measured must not mix with a retried forward's; what earlier steps logged is
+            # put on disk, in case this ends the training
+            self._clear_measured()
+            if self._is_writer():
+                for sink in self.sinks:
+                    sink.flush()
         if not self.persistent_hooks:
             self._recording = False
             self._exit_modes()
             if self.every > 1:  # logging every step: keep the hooks for the next one
                 self._disarm()
+
+    def _clear_measured(self) -> None:
+        # cleared in place: a compiled graph's guards see the same objects at every forward
+        self._pending.clear()
+        self._parts.clear()
+        self._streams.clear()
+        self._finite.clear()
+        self._finite_modules.clear()
+        self._finite_seen.clear()
 
     def _arm(self) -> None:
         """Register the reading hooks (once; a no-op while armed)."""
@@ -590,21 +710,29 @@ class Probe:
         if not self._logged or self.model_map is None:
             return
         self._record_parameters()
-        if "update_ratio" in self.metrics:
-            self._before_step = {
-                s: [[(p, k, probes.strided_sample(p, k)) for p, k in params] for params in blocks]
-                for s, blocks in self._sampled_params.items()
-            }
+        if "update_ratio" in self.metrics and self._params:
+            with torch.no_grad():
+                self._update_before = probes.strided_samples(self._params, self._strides)
 
     def end_step(self) -> None:
         """After the optimizer step: measure the update and write the step (if logged)."""
         if not self._logged or self.model_map is None:
             return
-        for s, before in self._before_step.items():
-            change, old = probes.update_squares(before)
-            self._pending[("update_sq", s)] = change
-            self._pending[("weight_sq", s)] = old
-        self._before_step = {}
+        if self._update_before:
+            consts = self._consts(self._update_before[0].device)
+            with torch.no_grad():
+                change, old = probes.update_squares(
+                    self._params,
+                    self._strides,
+                    self._update_before,
+                    consts.strides,
+                    consts.param_block,
+                    self._blocks,
+                )
+            for s, blocks in self._stack_blocks.items():
+                self._pending[("update_sq", s)] = change[blocks]
+                self._pending[("weight_sq", s)] = old[blocks]
+            self._update_before = []
         self.flush()
 
     def validate_next_forward(self) -> None:
@@ -615,21 +743,32 @@ class Probe:
 
     def flush_validation(self) -> None:
         """Write what the validation forward measured, as ``normprobe/val_bn_*`` tags."""
-        self._pending = {k: v for k, v in self._pending.items() if k[0] == "bn"}
+        bn = {k: v for k, v in self._pending.items() if k[0] == "bn"}
+        self._clear_measured()
+        self._pending.update(bn)
         self.flush(validation=True)
 
     def _record_parameters(self) -> None:
         """Gradients and gains as they are before the optimizer step."""
-        assert self.model_map is not None
-        if "grad_norm" in self.metrics:
-            for s, blocks in self._block_params.items():
-                self._pending[("grad_sq", s)] = probes.grad_squares(blocks)
+        if "grad_norm" in self.metrics and self._params:
+            consts = self._consts(self._params[0].device)
+            grads = [consts.zero if p.grad is None else p.grad for p in self._params]
+            with torch.no_grad():
+                squares = probes.group_sums(
+                    probes.squared_norms(grads), consts.param_block, self._blocks
+                )
+            for s, blocks in self._stack_blocks.items():
+                self._pending[("grad_sq", s)] = squares[blocks]
         if "norm_gain" in self.metrics:
-            modules = dict(self.model.named_modules())
-            for n in self._norms:
-                weight = getattr(modules[n.path], "weight", None)
-                if isinstance(weight, torch.Tensor) and weight.is_floating_point():
-                    self._pending[("gain", n.path)] = probes.gain_stats(weight, n.gain_offset or 0)
+            with torch.no_grad():
+                for group in self._gain_groups:
+                    if self.param_reduce == "sum":  # shards of any size: sums, over ranks too
+                        gains = [_weight(m) for m in group.modules]
+                        stats = torch.stack([probes.gain_moments(w, group.offset) for w in gains])
+                    else:
+                        weights = torch.stack([_weight(m).reshape(-1) for m in group.modules])
+                        stats = probes.gain_stats(weights, group.offset)
+                    self._parts.append((group.positions, stats.reshape(-1)))
 
     def _advance(self) -> None:
         self.begin_step(self.step_count + 1)
@@ -658,13 +797,22 @@ class Probe:
         """
         if self.model_map is None:
             return
-        packed = self._pack()
-        self._pending = {}
-        if packed is None:
+        self._finish_streams()
+        self._finish_finite()
+        positions, packed = self._pack()
+        total = sum(slot.size for slot in self._slots.values())
+        if _world_size() > 1:
+            combined = self._combine_ranks(positions, packed, total).tolist()  # the one transfer
+            values, present = combined[:total], combined[total:]
+        elif positions:
+            values, present = [0.0] * total, [0.0] * total
+            for position, value in zip(positions, packed.tolist(), strict=True):  # one transfer
+                values[position], present[position] = value, 1.0
+        else:
+            self._clear_measured()
             return
-        values = packed.tolist()  # the one transfer to the host
-        half = len(values) // 2
-        record = self._record(values[:half], values[half:], validation)
+        record = self._record(values, present, validation)
+        self._clear_measured()
         if not validation:
             self.latest = record
         if self._is_writer():
@@ -674,40 +822,48 @@ class Probe:
                     sink.layout(charts)
             for sink in self.sinks:
                 sink.write(record)
-                sink.flush()
         self._layout_written = True
 
-    def _pack(self) -> torch.Tensor | None:
-        """All slots in one float32 vector, ranks combined: the values (0 where nothing was
-        measured), then a presence flag per value, so that a measured NaN stays a NaN."""
-        if not self._slots:
-            return None
-        distributed = _world_size() > 1
-        if not self._pending and not distributed:
-            return None
+    def _pack(self) -> tuple[list[int], torch.Tensor]:
+        """What the step measured as one float32 vector on the device, and the position of
+        each of its values in the slot layout."""
         device = self._device()
-        total = sum(slot.size for slot in self._slots.values())
-        zeros = torch.zeros(total, device=device)  # slices of these fill the gaps
-        ones = torch.ones(total, device=device)
-        values, present = [], []
-        for key, slot in self._slots.items():
-            value = self._pending.get(key)
-            if value is None:
-                values.append(zeros[: slot.size])
-                present.append(zeros[: slot.size])
+        scalar_positions: list[int] = []
+        scalars: list[torch.Tensor] = []
+        positions: list[int] = []
+        vectors: list[torch.Tensor] = []
+        for key, value in self._pending.items():
+            slot = self._slots[key]
+            if value.dim() == 0:
+                scalar_positions.append(slot.offset)
+                scalars.append(value)
             else:
-                values.append(value.reshape(-1).to(device, torch.float32))
-                present.append(ones[: slot.size])
-        packed = torch.cat(values + present)
-        if distributed:
-            packed = self._combine_ranks(packed, total)
-        return packed
+                positions += range(slot.offset, slot.offset + slot.size)
+                vectors.append(value.reshape(-1))
+        for where, value in self._parts:
+            positions += where
+            vectors.append(value)
+        pieces = ([torch.stack(_moved(scalars, device))] if scalars else []) + vectors
+        if not pieces:
+            return [], torch.zeros(0, device=device)
+        return scalar_positions + positions, torch.cat(_moved(pieces, device)).float()
 
-    def _combine_ranks(self, packed: torch.Tensor, total: int) -> torch.Tensor:
+    def _combine_ranks(
+        self, positions: list[int], packed: torch.Tensor, total: int
+    ) -> torch.Tensor:
+        """Every rank's values in the full slot layout, each followed by a presence flag per
+        value (so that a measured NaN stays a NaN), combined across ranks in one collective."""
         import torch.distributed as dist
 
-        gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, packed)  # the one collective of a logged step
+        index = self._position_index(positions, packed.device)
+        full = torch.cat(
+            [
+                packed.new_zeros(total).index_copy_(0, index, packed),
+                packed.new_zeros(total).index_fill_(0, index, 1.0),
+            ]
+        )
+        gathered = [torch.empty_like(full) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, full)  # the one collective of a logged step
         ranks = torch.stack(gathered)
         values, present = ranks[:, :total], ranks[:, total:] > 0.5
         count = present.sum(dim=0)
@@ -721,9 +877,17 @@ class Probe:
             "min": values.masked_fill(~present, math.inf).amin(dim=0),
         }
         out = torch.zeros(total, device=values.device)
-        for kind, index in self._reduce_index(packed.device).items():
-            out[index] = combined[kind][index]
+        for kind, where in self._reduce_index(packed.device).items():
+            out[where] = combined[kind][where]
         return torch.cat([out, (count > 0).float()])
+
+    def _position_index(self, positions: list[int], device: torch.device) -> torch.Tensor:
+        """``positions`` as an index tensor, reused while a step measures what the last did."""
+        key = (device, tuple(positions))
+        if self._positions_cache is None or self._positions_cache[0] != key:
+            index = torch.tensor(positions, dtype=torch.long, device=device)
+            self._positions_cache = (key, index)
+        return self._positions_cache[1]
 
     def _reduce_index(self, device: torch.device) -> dict[str, torch.Tensor]:
         if self._reduce_cache is None or self._reduce_cache[0] != device:
@@ -735,6 +899,17 @@ class Probe:
             index = {k: torch.tensor(v, device=device) for k, v in positions.items()}
             self._reduce_cache = (device, index)
         return self._reduce_cache[1]
+
+    def _consts(self, device: torch.device) -> _DeviceConsts:
+        consts = self._device_cache.get(device)
+        if consts is None:
+            consts = self._device_cache[device] = _DeviceConsts(
+                param_block=torch.tensor(self._param_block, dtype=torch.long, device=device),
+                strides=torch.tensor(self._strides, dtype=torch.float32, device=device),
+                order=torch.arange(len(self._module_paths), dtype=torch.float32, device=device),
+                zero=torch.zeros((), device=device),
+            )
+        return consts
 
     def _device(self) -> torch.device:
         for value in self._pending.values():
@@ -751,12 +926,12 @@ class Probe:
         chosen = set(self.metrics)
         modules = dict(self.model.named_modules())
         entries: list[tuple[Key, int, str]] = []
-        for stack, blocks in streamed.items():
-            for b in blocks:
-                if "resid_rms" in chosen:
-                    entries.append((("resid_rms", stack, b), 1, "rms"))
-                if "resid_cos" in chosen and b - 1 in blocks:
-                    entries.append((("resid_cos", stack, b), 1, "mean"))
+        depth = {s.path: s.depth for s in model_map.stacks}
+        for stack in streamed:  # a block's value is present if its stream was read
+            if "resid_rms" in chosen:
+                entries.append((("resid_rms", stack), depth[stack], "rms"))
+            if "resid_cos" in chosen:
+                entries.append((("resid_cos", stack), depth[stack], "mean"))
         for n in self._norms:
             if "norm_rms" in chosen:
                 entries += [
@@ -765,7 +940,8 @@ class Probe:
                 ]
             weight = getattr(modules.get(n.path), "weight", None)
             if "norm_gain" in chosen and isinstance(weight, torch.Tensor):
-                entries.append((("gain", n.path), 2, "mean"))
+                sharded = self.param_reduce == "sum"  # summed probes.gain_moments
+                entries.append((("gain", n.path), 3 if sharded else 2, self.param_reduce))
             m = modules.get(n.path)
             if "bn_stats" in chosen and isinstance(m, _BatchNorm) and m.running_mean is not None:
                 entries.append((("bn", n.path), 3, "mean"))
@@ -780,8 +956,8 @@ class Probe:
             if "update_ratio" in chosen:
                 entries.append((("update_sq", s.path), s.depth, self.param_reduce))
                 entries.append((("weight_sq", s.path), s.depth, self.param_reduce))
-        if "nonfinite" in chosen:
-            entries += [(("nonfinite", path), 1, "min") for path in modules]
+        if "nonfinite" in chosen:  # per module: its position in execution order, or inf
+            entries.append((("nonfinite",), len(self._module_paths), "min"))
         offset = 0
         for key, size, reduce in entries:
             self._slots[key] = _Slot(offset, size, reduce)
@@ -796,15 +972,21 @@ class Probe:
         per_block: dict[tuple[str, str], dict[int, float]] = {}
         bad: list[tuple[float, str]] = []
         for key, slot in self._slots.items():
-            if not present[slot.offset]:  # not measured on this step
-                continue
-            vals = values[slot.offset : slot.offset + slot.size]
             family = str(key[0])
             if validation and family != "bn":
                 continue
-            if family in ("resid_rms", "resid_cos"):
-                per_block.setdefault((family, str(key[1])), {})[int(key[2])] = vals[0]
-            elif family == "grad_sq":
+            vals = values[slot.offset : slot.offset + slot.size]
+            if family in ("resid_rms", "resid_cos", "nonfinite"):  # measured value by value
+                seen = [i for i in range(slot.size) if present[slot.offset + i]]
+                if family == "nonfinite":
+                    paths = self._module_paths
+                    bad += [(vals[i], paths[i]) for i in seen if vals[i] != math.inf]
+                elif seen:
+                    per_block[(family, str(key[1]))] = {b: vals[b] for b in seen}
+                continue
+            if not present[slot.offset]:  # not measured on this step
+                continue
+            if family == "grad_sq":
                 per_block[("grad_norm", str(key[1]))] = {
                     b: math.sqrt(v) for b, v in enumerate(vals)
                 }
@@ -819,6 +1001,8 @@ class Probe:
                 out[f"{PREFIX}/{family}/{self._norm_tag(str(key[1]))}"] = vals[0]
             elif family == "gain":
                 tag = self._norm_tag(str(key[1]))
+                if slot.size == 3:
+                    vals = list(probes.gain_from_moments(*vals))
                 out[f"{PREFIX}/norm_gain_mean/{tag}"] = vals[0]
                 out[f"{PREFIX}/norm_gain_std/{tag}"] = vals[1]
             elif family == "bn":
@@ -828,8 +1012,6 @@ class Probe:
             elif family.startswith("logits_"):
                 name = {"logits_max": "max_abs", "logits_rms": "rms", "logits_z": "z"}[family]
                 out[f"{PREFIX}/logits/{name}"] = vals[0]
-            elif family == "nonfinite" and vals[0] != math.inf:
-                bad.append((vals[0], str(key[1])))
         self._stack_scalars(record, per_block)
         if "nonfinite" in self.metrics and not validation:
             self._nonfinite(record, sorted(bad))
@@ -881,7 +1063,7 @@ class Probe:
 
     def _name(self, path: str) -> str:
         """A module path as tags show it: under ``name_prefix``, ``root`` for the model."""
-        return (self.name_prefix + path).rstrip(".") or "root"
+        return _unwrapped(self.name_prefix + path) or "root"
 
     def _module_tags(self, model_map: ModelMap, paths: Iterable[str]) -> dict[str, str]:
         """``<stack>/<block>.<rest>`` for modules inside a stack block (innermost block)."""
@@ -896,7 +1078,7 @@ class Probe:
             for i in range(len(parts) - 1, 0, -1):
                 prefix = ".".join(parts[:i])
                 if prefix in blocks:
-                    tags[path] = f"{blocks[prefix]}.{'.'.join(parts[i:])}"
+                    tags[path] = f"{blocks[prefix]}.{_unwrapped('.'.join(parts[i:]))}"
                     break
         return tags
 
@@ -981,6 +1163,36 @@ class Probe:
         self.remove()
 
 
+def _rowwise(
+    fn: Callable[..., torch.Tensor], rows: Sequence[Sequence[torch.Tensor]]
+) -> torch.Tensor:
+    """``fn`` of the rows' columns stacked (one result per row), or row by row when the rows'
+    lengths differ."""
+    if len({tuple(t.shape for t in row) for row in rows}) == 1:
+        return fn(*(torch.stack(column) for column in zip(*rows, strict=True)))
+    return torch.stack([fn(*row) for row in rows])
+
+
+def _stream_rms(reads: Sequence[_StreamRead]) -> torch.Tensor:
+    """Each read stream's RMS, from its per-position norms."""
+    if len({(r.numel, r.norms.shape) for r in reads}) == 1:
+        norms = torch.stack([r.norms for r in reads])
+        return torch.linalg.vector_norm(norms, dim=-1) / math.sqrt(max(reads[0].numel, 1))
+    return torch.stack(
+        [torch.linalg.vector_norm(r.norms) / math.sqrt(max(r.numel, 1)) for r in reads]
+    )
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
+def _moved(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    return [t if t.device == device else t.to(device) for t in tensors]
+
+
 def _world_size() -> int:
     import torch.distributed as dist
 
@@ -989,7 +1201,20 @@ def _world_size() -> int:
     return 1
 
 
+def _unwrapped(path: str) -> str:
+    """A module path without the wrappers FSDP1 and activation checkpointing insert."""
+    return _WRAPPERS.sub("", path).rstrip(".")
+
+
+_WRAPPERS = re.compile(r"(?<![^.])(?:_fsdp_wrapped_module|_checkpoint_wrapped_module)(?:\.|$)")
+
+
 def _first_float(container: Any) -> torch.Tensor | None:
+    first = container  # the common case, a tensor first in (args, kwargs), without a generator
+    while isinstance(first, tuple | list) and first:
+        first = first[0]
+    if isinstance(first, torch.Tensor) and first.is_floating_point():
+        return first
     for _, t in iter_tensors(container):
         if t.is_floating_point():
             return t
@@ -1063,7 +1288,8 @@ def attach(
         max_block_tags=max_block_tags,
     )
     try:
-        probe.sinks.append(TensorBoardSink(writer=writer, log_dir=log_dir))
+        if probe._is_writer():  # under torch.distributed, rank 0 alone opens event files
+            probe.sinks.append(TensorBoardSink(writer=writer, log_dir=log_dir))
         if example_inputs is not None or example_kwargs is not None:
             probe.discover_now(*(example_inputs or ()), **(example_kwargs or {}))
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,10 +49,15 @@ class TensorBoardSink:
     chart per metric family and stack; each depth profile becomes a histogram whose buckets are
     the block indices (Histograms tab: metric against depth, one slice per logged step).
 
+    Writing never waits for the disk: the writer's own thread flushes the file (every
+    ``flush_secs`` for a writer made here), `flush` and `close` force it, and so does the
+    interpreter's exit, also after an uncaught exception.
+
     Args:
         writer: an existing ``SummaryWriter``, or None to create one in ``log_dir``.
         log_dir: directory for a new writer (``runs/<date>`` when both are None).
         close_writer: close the writer on `close` (default: only when this sink created it).
+        flush_secs: how often a writer made here flushes in the background.
     """
 
     def __init__(
@@ -59,14 +65,17 @@ class TensorBoardSink:
         writer: Any = None,
         log_dir: str | None = None,
         close_writer: bool | None = None,
+        flush_secs: float = 1.0,
     ) -> None:
         if writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            writer = SummaryWriter(log_dir=log_dir)
+            writer = SummaryWriter(log_dir=log_dir, flush_secs=flush_secs)
             close_writer = True if close_writer is None else close_writer
         self.writer = writer
         self.close_writer = bool(close_writer)
+        # at exit (or when this sink is collected): what is still queued reaches the disk
+        self._at_exit = weakref.finalize(self, writer.flush)
 
     @property
     def log_dir(self) -> str:
@@ -95,6 +104,7 @@ class TensorBoardSink:
         self.writer.flush()
 
     def close(self) -> None:
+        self._at_exit.detach()
         self.writer.flush()
         if self.close_writer:
             self.writer.close()

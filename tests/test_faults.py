@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import pickle
 import signal
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -171,10 +174,10 @@ def test_without_a_with_block_the_probe_stays_and_training_can_go_on(
     probe = attach(model, opt, tmp_path)
     with pytest.raises(KeyboardInterrupt if kind == "interrupt" else RuntimeError):
         train(model, opt, wire)
-    # each logged step was flushed when it ended: already on disk
-    assert_logged_up_to(read_events(str(tmp_path)), reference, 4)
     assert probe.attached and not no_probe_hooks_on(opt)
     if kind == "forward":
+        # the failed forward put every step logged before it on disk
+        assert_logged_up_to(read_events(str(tmp_path)), reference, 4)
         # the root's always_call hook ran: only the probe's root hook (and the tripwire) stay
         assert hook_count(model) == 2 and not _get_current_function_mode_stack()
     else:
@@ -409,3 +412,38 @@ def test_a_copy_taken_mid_logged_step_and_after_surgery_runs_without_the_probe(
     assert "normprobe/norm_out_rms/blocks/0.ln_1" in read_events(str(tmp_path / "twin")).scalars
     probe.remove()
     assert hook_count(model) == 0
+
+
+CRASHING_SCRIPT = """
+import sys
+import torch
+import test_faults as f
+
+torch.set_num_threads(1)  # as the reference run (one_thread)
+
+model = f.make_model()
+opt = f.FailingAdamW(model.parameters(), fail_at=int(sys.argv[2]))
+probe = f.attach(model, opt, sys.argv[1])  # no with block, never removed
+f.train(model, opt, f.Tripwire(model, "", None))
+"""
+
+
+def test_a_process_that_dies_of_an_uncaught_exception_leaves_its_steps_on_disk(
+    tmp_path: Path, reference: Events
+) -> None:
+    # writing never waits for the disk; what is still queued when the interpreter exits,
+    # here on an error nobody catches, is written out on the way
+    at = 7
+    script = tmp_path / "crash.py"
+    script.write_text(CRASHING_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    logs = tmp_path / "logs"
+    done = subprocess.run(
+        [sys.executable, str(script), str(logs), str(at)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "RuntimeError" in done.stderr
+    assert_logged_up_to(read_events(str(logs)), reference, at)

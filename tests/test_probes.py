@@ -29,29 +29,58 @@ def test_mean_cosine() -> None:
     assert float(probes.mean_cosine(a, b)) == pytest.approx(0.5)  # (1 + 0) / 2
     images = torch.randn(2, 8, 3, 3)
     assert float(probes.mean_cosine(images, 2 * images)) == pytest.approx(1.0)
+    # rows of several pairs stacked: one mean cosine per pair, as each pair alone gives
+    c = torch.randn(2, 2)
+    rows = [
+        torch.stack(r)
+        for r in zip(
+            *[
+                (probes.row_dots(x, y), probes.row_norms(x), probes.row_norms(y))
+                for x, y in ((a, b), (a, c))
+            ],
+            strict=True,
+        )
+    ]
+    want = [float(probes.mean_cosine(a, b)), float(probes.mean_cosine(a, c))]
+    assert probes.cosines_from_rows(*rows).tolist() == pytest.approx(want)
 
 
-def test_grad_squares_group_by_block() -> None:
-    p1, p2, p3 = (nn.Parameter(torch.zeros(2)) for _ in range(3))
-    p1.grad = torch.tensor([3.0, 4.0])
-    p2.grad = torch.tensor([0.0, 12.0])
-    # block 0 holds p1 and p2: 9 + 16 + 144 = 169 = 13^2; block 1 has no gradient yet
-    assert probes.grad_squares([[p1, p2], [p3]]).tolist() == pytest.approx([169.0, 0.0])
+def test_row_norms_add_up_to_the_rms() -> None:
+    x = torch.randn(4, 5, 6, dtype=torch.bfloat16)
+    norms = probes.row_norms(x)
+    assert norms.shape == (20,) and norms.dtype == torch.float32
+    assert float(norms.norm() / math.sqrt(x.numel())) == pytest.approx(float(probes.rms(x)))
+
+
+def test_squared_norms_summed_by_block() -> None:
+    g1, g2, missing = torch.tensor([3.0, 4.0]), torch.tensor([0.0, 12.0]), torch.zeros(())
+    squares = probes.squared_norms([g1, g2, missing])
+    assert squares.dtype == torch.float32 and squares.tolist() == pytest.approx([25, 144, 0])
+    # block 0 holds g1 and g2: 9 + 16 + 144 = 169 = 13^2; block 1 has no gradient yet
+    blocks = probes.group_sums(squares, torch.tensor([0, 0, 1]), 2)
+    assert blocks.tolist() == pytest.approx([169.0, 0.0])
+    wide = probes.squared_norms([g1.double(), g2.bfloat16()])
+    assert wide.dtype == torch.float64 and wide.tolist() == pytest.approx([25, 144])
 
 
 def test_update_squares_exact_and_sampled() -> None:
-    p = torch.tensor([3.0, 4.5])
-    change, old = probes.update_squares([[(p, 1, torch.tensor([3.0, 4.0]))]])
-    assert (change.tolist(), old.tolist()) == (pytest.approx([0.25]), pytest.approx([25.0]))
+    # group 0 holds p (3, 4) -> (3, 4.5) and q (0) -> (1); group 1 holds big
+    p, q = torch.tensor([3.0, 4.0]), torch.tensor([0.0])
     # a strided sample scaled by its stride estimates the whole tensor: every 3rd entry of
     # a constant tensor, times 3, is exact
     big = torch.full((30, 7), 2.0)
     stride = probes.sample_stride(big.shape, budget=70)
     assert stride == 3 and 7 % stride != 0
-    before = probes.strided_sample(big, stride)
+    params, strides = [p, q, big], [1, 1, stride]
+    before = probes.strided_samples(params, strides)
+    assert before[2].numel() == 70 and before[0] is not p
+    p[1], q[0] = 4.5, 1.0
     big += 1.0
-    change, old = probes.update_squares([[(big, stride, before)]])
-    assert change.item() == pytest.approx(210 * 1.0) and old.item() == pytest.approx(210 * 4.0)
+    change, old = probes.update_squares(
+        params, strides, before, torch.tensor([1.0, 1.0, 3.0]), torch.tensor([0, 0, 1]), 2
+    )
+    assert change.tolist() == pytest.approx([0.25 + 1.0, 210 * 1.0])
+    assert old.tolist() == pytest.approx([25.0, 210 * 4.0])
 
 
 def test_logit_stats() -> None:
@@ -118,9 +147,11 @@ def test_gain_stats() -> None:
     w = torch.tensor([1.0, 2.0, 3.0, 4.0])
     assert probes.gain_stats(w).tolist() == pytest.approx([2.5, math.sqrt(1.25)])
     assert probes.gain_stats(torch.zeros(3), offset=1.0).tolist() == [1.0, 0.0]  # Gemma at init
+    stacked = torch.stack([w, torch.full((4,), 2.0)])  # one row per norm
+    assert probes.gain_stats(stacked).tolist() == [pytest.approx([2.5, math.sqrt(1.25)]), [2, 0]]
 
 
-def test_all_finite() -> None:
-    assert bool(probes.all_finite(torch.ones(3)))
-    assert not bool(probes.all_finite(torch.tensor([1.0, float("nan")])))
-    assert not bool(probes.all_finite(torch.tensor([float("inf")])))
+def test_finite_sum() -> None:
+    assert math.isfinite(probes.finite_sum(torch.ones(3, dtype=torch.bfloat16)))
+    assert math.isnan(probes.finite_sum(torch.tensor([1.0, float("nan")])))
+    assert math.isinf(probes.finite_sum(torch.tensor([float("inf")])))

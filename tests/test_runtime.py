@@ -290,7 +290,8 @@ def test_no_activation_is_kept_on_unlogged_steps(tmp_path: Path) -> None:
             opt.zero_grad()
             gc.collect()
             assert outputs and all(ref() is None for ref in outputs)
-            assert not probe._pending and not probe._prev_stream and not probe._before_step
+            held = (probe._pending, probe._parts, probe._streams, probe._finite)
+            assert not any(held) and not probe._prev_stream and not probe._update_before
     for h in handles:
         h.remove()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -125,7 +126,11 @@ _HOOK_DICTS = (
 @contextmanager
 def read_only(model: nn.Module, silence_hooks: bool = True) -> Iterator[None]:
     """No grad, forked RNGs; buffers (BatchNorm statistics), modes and, unless asked to keep
-    them running, the model's own forward hooks (silenced meanwhile) restored on exit."""
+    them running, the model's own forward hooks (silenced meanwhile) restored on exit.
+
+    Hooks of ``torch.distributed`` (FSDP2's unsharding, tensor parallelism) keep running: the
+    forward needs them. FSDP2 modules are resharded on exit, as they were before.
+    """
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     modes = [(m, m.training) for m in model.modules()]
     hooks = (
@@ -134,8 +139,14 @@ def read_only(model: nn.Module, silence_hooks: bool = True) -> Iterator[None]:
         else []
     )
     for m, saved in hooks:
+        kept = {
+            key
+            for name in ("_forward_pre_hooks", "_forward_hooks")
+            for key, hook in saved[name].items()
+            if _is_distributed_hook(hook)
+        }
         for name, value in saved.items():
-            setattr(m, name, type(value)())
+            setattr(m, name, type(value)((k, v) for k, v in value.items() if k in kept))
     cuda = sorted(
         {t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.is_cuda}
     )
@@ -151,6 +162,21 @@ def read_only(model: nn.Module, silence_hooks: bool = True) -> Iterator[None]:
         for m, saved in hooks:
             for name, value in saved.items():
                 setattr(m, name, value)
+        _reshard(model)
+
+
+def _is_distributed_hook(hook: Any) -> bool:
+    return str(getattr(hook, "__module__", None)).startswith("torch.distributed.")
+
+
+def _reshard(model: nn.Module) -> None:
+    """Register FSDP2's sharded parameters again (a forward leaves the root's unsharded)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no FSDP2 module exists
+    if fsdp is None:
+        return
+    for m in model.modules():
+        if isinstance(m, fsdp.FSDPModule):
+            m.reshard()
 
 
 class _Builder:

@@ -248,6 +248,16 @@ class _Recorder(TorchFunctionMode):
         index = self.call_counts.get(path, 0)
         self.call_counts[path] = index + 1
         is_root = not self.stack
+        # the tensors the forward reads as parameters: FSDP swaps in unsharded ones (FSDP2 as
+        # parameters, FSDP1 as plain views set over them)
+        for name in mod._parameters:
+            p = getattr(mod, name, None)
+            if isinstance(p, torch.Tensor) and id(p) not in self.param_ids:
+                self.param_ids.add(id(p))
+                self.owners.setdefault(id(p), []).append(path)
+                n = self._lookup(p)  # a view FSDP1 computed while this mode was on
+                if n is not None:
+                    g.param_const[n] = True
         call = Call(path, mod, index, self.stack[-1] if self.stack else None, first_node=len(g.op))
         cid = len(g.calls)
         g.calls.append(call)
