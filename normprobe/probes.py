@@ -254,11 +254,10 @@ def sdpa_logit_max(
             continue
         if m is not None:
             s = s.masked_fill(~m, 0.0)  # 0 never wins a max of |.|
-        if is_causal:
-            rows = torch.arange(start, stop, device=q.device)[:, None]
-            cols = torch.arange(t_k, device=q.device)[None, :]
-            s.masked_fill_(cols > rows + (t_k - t_q), 0.0)
-        best = torch.maximum(best, torch.maximum(s.amax(), -s.amin()) * abs(scale))
+        if is_causal:  # as torch's SDPA: query row r sees keys 0..r (top-left aligned)
+            s.tril_(start)
+        low, high = torch.aminmax(s)
+        best = torch.maximum(best, torch.maximum(high, -low) * abs(scale))
     return best
 
 

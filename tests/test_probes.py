@@ -103,6 +103,12 @@ def test_sdpa_logit_max_matches_materialized_logits() -> None:
     assert float(got) == pytest.approx(
         float((q @ k.transpose(-1, -2) * 0.5)[..., causal].abs().max())
     )
+    # causal over fewer queries than keys, chunked: the mask torch's SDPA applies (top-left)
+    q4 = q[..., :4, :]
+    keep = torch.ones(4, 10, dtype=torch.bool).tril()
+    want = (q4 @ k.transpose(-1, -2) / math.sqrt(8))[..., keep].abs().max()
+    got = probes.sdpa_logit_max(q4, k, is_causal=True, chunk_elements=2 * 4 * 10)
+    assert float(got) == pytest.approx(float(want))
     # grouped-query attention: 2 key heads serve 4 query heads
     k2 = torch.randn(2, 2, 10, 8)
     expanded = k2.repeat_interleave(2, dim=1)
