@@ -173,7 +173,7 @@ def strided_views(tensors: Sequence[torch.Tensor], strides: Sequence[int]) -> li
 
 def strided_samples(tensors: Sequence[torch.Tensor], strides: Sequence[int]) -> list[torch.Tensor]:
     """Copies of `strided_views`: what `update_squares` compares against after a step."""
-    return list(torch._foreach_mul(strided_views(tensors, strides), 1.0))
+    return [view.clone() for view in strided_views(tensors, strides)]
 
 
 def update_squares(

@@ -1059,7 +1059,10 @@ class Probe:
             )
 
     def _norm_tag(self, path: str) -> str:
-        return self._tags.get(path) or self._name(path)
+        tag = self._tags.get(path)
+        if tag is None:  # a module outside every block: named by its path, once
+            tag = self._tags[path] = self._name(path)
+        return tag
 
     def _name(self, path: str) -> str:
         """A module path as tags show it: under ``name_prefix``, ``root`` for the model."""
