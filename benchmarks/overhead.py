@@ -1,6 +1,6 @@
 """What the probe costs a training step, against a bare step and the hooks people write today.
 
-    python benchmarks/overhead.py [--rounds 7] [--steps 10]
+    python benchmarks/overhead.py [--rounds 7] [--steps 10] [--device cuda] [--bf16]
 
 For each model, every variant trains its own copy of the same weights; the variants take turns
 (interleaved rounds, in one process) so that machine noise hits them alike. Prints the median
@@ -12,6 +12,9 @@ Variants:
   every=1        normprobe.attach(..., every=1), all metrics on every step
   naive hooks    a forward hook on every module logging the output RMS with .item()
   lightning      lightning's grad_norm() utility every step, values logged as floats
+
+On CUDA it also counts the host syncs of each step of a probe logging every 3rd step, with
+``torch.cuda.set_sync_debug_mode``: one (the transfer) on a logged step, none otherwise.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import copy
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -31,13 +35,16 @@ import normprobe
 from normprobe.models import ResidualStack, TinyTransformer
 
 Step = Callable[[], None]
+BF16 = False  # forward under bf16 autocast (--bf16)
 
 
 def _trainer(model: nn.Module, batch: torch.Tensor, loss: Callable[[nn.Module], Any]) -> Step:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step() -> None:
-        loss(model).backward()
+        with torch.autocast(batch.device.type, torch.bfloat16, enabled=BF16):
+            value = loss(model)
+        value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -62,7 +69,7 @@ def variants(
 ) -> dict[str, Step]:
     from lightning.pytorch.utilities import grad_norm
 
-    base = make()
+    base = make().to(batch.device)
     out: dict[str, Step] = {}
     out["bare"] = _trainer(copy.deepcopy(base), batch, loss)
     for every in (50, 1):
@@ -78,7 +85,9 @@ def variants(
     opt = torch.optim.AdamW(lit.parameters(), lr=1e-4)
 
     def lightning_step() -> None:
-        loss(lit).backward()
+        with torch.autocast(batch.device.type, torch.bfloat16, enabled=BF16):
+            value = loss(lit)
+        value.backward()
         logged = {k: float(v) for k, v in grad_norm(lit, norm_type=2).items()}
         assert logged
         opt.step()
@@ -88,28 +97,61 @@ def variants(
     return out
 
 
-def measure(steps: dict[str, Step], rounds: int, per_round: int) -> dict[str, float]:
+def measure(
+    steps: dict[str, Step], rounds: int, per_round: int, device: torch.device
+) -> dict[str, float]:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for step in steps.values():  # warm-up, and lazy discovery on the first forward
         for _ in range(2):
             step()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
+            sync()
             start = time.perf_counter()
             for _ in range(per_round):
                 step()
+            sync()
             times[name].append((time.perf_counter() - start) / per_round)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def syncs_per_step(
+    make: Callable[[], nn.Module], batch: torch.Tensor, loss: Callable[[nn.Module], Any]
+) -> list[int]:
+    """Host syncs of steps 2..7 of a probe logging every 3rd step (CUDA only)."""
+    model = make().to(batch.device)
+    step = _trainer(model, batch, loss)
+    normprobe.attach(model, step.opt, log_dir=tempfile.mkdtemp(), every=3)  # type: ignore[attr-defined]
+    for _ in range(2):  # discovery and the first logged step
+        step()
+    counts = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    return counts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--bf16", action="store_true", help="forward under bf16 autocast")
     args = parser.parse_args()
+    global BF16
+    BF16 = args.bf16
+    device = torch.device(args.device)
     torch.manual_seed(0)
-    tokens = torch.randint(0, 96, (8, 128))
-    rows = torch.randn(1024, 64)
+    tokens = torch.randint(0, 96, (8, 128), device=device)
+    rows = torch.randn(1024, 64, device=device)
     cases: dict[str, tuple[Callable[[], nn.Module], torch.Tensor, Callable[[nn.Module], Any]]] = {
         "GPT-2-style, 12 blocks, width 256, 8x128 tokens": (
             lambda: TinyTransformer(width=256, depth=12, context=128),
@@ -122,13 +164,16 @@ def main() -> None:
             lambda m: m(rows).pow(2).mean(),
         ),
     }
+    print(f"{device}{' (bf16 autocast)' if BF16 else ''}")
     for title, (make, batch, loss) in cases.items():
-        result = measure(variants(make, batch, loss), args.rounds, args.steps)
+        result = measure(variants(make, batch, loss), args.rounds, args.steps, device)
         bare = result["bare"]
         print(f"\n{title}")
         print(f"  {'variant':<12} {'ms/step':>8} {'x bare':>7}")
         for name, seconds in result.items():
             print(f"  {name:<12} {seconds * 1e3:>8.2f} {seconds / bare:>7.3f}")
+        if device.type == "cuda":
+            print(f"  host syncs, steps 2-7 (every=3): {syncs_per_step(make, batch, loss)}")
 
 
 if __name__ == "__main__":
