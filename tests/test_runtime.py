@@ -534,3 +534,53 @@ def test_a_measured_nan_is_logged_as_nan_not_dropped(tmp_path: Path) -> None:
     assert math.isnan(s["normprobe/grad_ratio/lins"])
     events = read_events(str(tmp_path))
     assert math.isnan(events.scalars["normprobe/resid_rms/lins/3"][0][1])  # on disk too
+
+
+class _Widening(nn.Module):
+    """``short(x) + fc(ln(x))``: an identity shortcut, or a Linear one that widens the stream."""
+
+    def __init__(self, width_in: int, width_out: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width_in)
+        self.fc = nn.Linear(width_in, width_out)
+        self.short = nn.Identity() if width_in == width_out else nn.Linear(width_in, width_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.short(x) + self.fc(self.ln(x))
+
+
+class _WideningStack(nn.Module):
+    def __init__(self, widths: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Widening(i, o) for i, o in widths)
+        self.head = nn.Linear(widths[-1][1], 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_stream_statistics_of_blocks_with_different_widths(tmp_path: Path) -> None:
+    # the blocks' streams differ in size (8 then 16 features), so the per-step reduction
+    # across blocks cannot stack them: each must still get its own RMS and cosine
+    torch.manual_seed(0)
+    widths = [(8, 8), (8, 16), (16, 16), (16, 16)]
+    model = _WideningStack(widths)
+    streams: list[torch.Tensor] = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda m, a, out: streams.append(out.detach()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with normprobe.attach(model, opt, log_dir=str(tmp_path), every=1) as probe:
+        model(torch.randn(5, 8)).sum().backward()
+        opt.step()
+    assert probe.latest is not None
+    got = probe.latest.scalars
+    # block 1's add widens through a Linear shortcut as deep as its branch: not a residual add
+    rms = {b: float(streams[b].pow(2).mean().sqrt()) for b in (0, 2, 3)}
+    assert {k.rsplit("/", 1)[1]: v for k, v in got.items() if "resid_rms" in k} == {
+        str(b): pytest.approx(v, rel=1e-5) for b, v in rms.items()
+    }
+    cosine = F.cosine_similarity(streams[2], streams[3], dim=-1).mean()
+    assert got["normprobe/resid_cos/blocks/3"] == pytest.approx(float(cosine), rel=1e-5)
+    assert "normprobe/resid_cos/blocks/2" not in got  # block 1's stream was not read
