@@ -391,12 +391,15 @@ def test_a_copy_taken_mid_logged_step_and_after_surgery_runs_without_the_probe(
         for h in d.values()
     )
     # the twin trains on its own: the original probe neither counts nor writes its steps
+    # (the probe is still attached: its writer's thread may not have written yet, flush it)
+    probe.sinks[0].flush()
     before = read_events(str(tmp_path / "b")).scalars["normprobe/grad_ratio/blocks"]
     for step in range(3):
         twin.loss(batch(step), batch(step)).backward()
         twin_opt.step()
         twin_opt.zero_grad()
     assert probe.step_count == 1
+    probe.sinks[0].flush()
     assert read_events(str(tmp_path / "b")).scalars["normprobe/grad_ratio/blocks"] == before
     with torch.no_grad():
         assert torch.equal(twin(x), copy.deepcopy(twin)(x))
