@@ -42,6 +42,12 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.detach(), dim=feature_dim(x), dtype=_wide(x)).reshape(-1)
 
 
+def rms_from_row_norms(norms: torch.Tensor, numel: int) -> torch.Tensor:
+    """The RMS of a tensor of ``numel`` elements from its `row_norms` (last axis); rows of
+    several tensors of that size stacked give one RMS each."""
+    return torch.linalg.vector_norm(norms, dim=-1) / math.sqrt(max(numel, 1))
+
+
 def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Dot product of ``a`` and ``b`` along `feature_dim` at each position, flattened like
     `row_norms`, in float32 or wider."""

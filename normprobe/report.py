@@ -340,14 +340,7 @@ def report(run_dir: str | Path) -> RunReport:
         if any(f.kind == "nan onset" for f in rep.flags): ...
     """
     path = Path(run_dir)
-    if not path.exists():
-        raise FileNotFoundError(f"no such directory: {str(path)!r}; pass a run's log_dir")
-    runs = find_runs(path)
-    if not runs:
-        raise FileNotFoundError(
-            f"no TensorBoard event files ({EVENT_GLOB}) in or under {str(path)!r}; pass the "
-            "log_dir given to normprobe.attach (or a Lightning logger's directory)"
-        )
+    runs = _runs_under(path)
     if len(runs) > 1:
         listed = ", ".join(str(r) for r in runs[:8]) + (" ..." if len(runs) > 8 else "")
         raise ValueError(
@@ -924,16 +917,25 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def _runs_under(path: Path) -> list[Path]:
+    """`find_runs`, or FileNotFoundError naming the path and what to pass instead."""
+    if not path.exists():
+        raise FileNotFoundError(f"no such file or directory: {str(path)!r}; pass a run's log_dir")
+    runs = find_runs(path)
+    if not runs:
+        raise FileNotFoundError(
+            f"no TensorBoard event files ({EVENT_GLOB}) in or under {str(path)!r}; pass the "
+            "log_dir given to normprobe.attach (or a Lightning logger's directory)"
+        )
+    return runs
+
+
 def _run(args: argparse.Namespace) -> int:
     root = Path(args.run_dir)
-    if not root.exists():
-        return _fail(f"no such file or directory: {str(root)!r}")
-    runs = find_runs(root)
-    if not runs:
-        return _fail(
-            f"no TensorBoard event files ({EVENT_GLOB}) in or under {str(root)!r}; pass the "
-            "log_dir given to normprobe.attach or a Lightning logger's directory"
-        )
+    try:
+        runs = _runs_under(root)
+    except FileNotFoundError as e:
+        return _fail(str(e))
     reports, skipped = [], []
     for run in runs:
         try:

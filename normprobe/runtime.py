@@ -305,6 +305,7 @@ class Probe:
         self._finite: list[torch.Tensor] = []  # float32 sums of module outputs, in order
         self._finite_modules: list[int] = []  # and whose they are (indices into _module_paths)
         self._slots: dict[Key, _Slot] = {}
+        self._slots_size = 0  # the packed layout's length
         self._finite_seen: set[int] = set()
         self._device_cache: dict[torch.device, _DeviceConsts] = {}
         self._positions_cache: tuple[tuple[Any, ...], torch.Tensor] | None = None
@@ -552,7 +553,6 @@ class Probe:
                 rows = [[r.dots, r.prev_norms, r.norms] for r in pairs]
                 cos = _rowwise(probes.cosines_from_rows, rows)  # type: ignore[arg-type]
                 self._parts.append(([cos_slot.offset + r.block for r in pairs], cos))
-        self._streams.clear()
 
     def _logits(self, t: torch.Tensor) -> None:
         max_abs, rms, z = probes.logit_stats(t)
@@ -607,9 +607,6 @@ class Probe:
             order = self._consts(sums.device).order[: len(sums)]
             position = torch.where(torch.isfinite(sums), math.inf, order)
             self._parts.append(([slot.offset + i for i in self._finite_modules], position))
-        self._finite.clear()
-        self._finite_modules.clear()
-        self._finite_seen.clear()
 
     # the schedule ------------------------------------------------------------------------------
     def _is_logged(self, step: int) -> bool:
@@ -638,10 +635,7 @@ class Probe:
         if self._recording:  # of several forwards in a step (accumulation), the last counts
             self._calls.clear()
             self._prev_stream.clear()
-            self._streams.clear()
-            self._finite.clear()
-            self._finite_modules.clear()
-            self._finite_seen.clear()
+            self._clear_forward_reads()
             if not self.persistent_hooks:
                 self._arm()
 
@@ -663,9 +657,12 @@ class Probe:
                 self._disarm()
 
     def _clear_measured(self) -> None:
-        # cleared in place: a compiled graph's guards see the same objects at every forward
         self._pending.clear()
         self._parts.clear()
+        self._clear_forward_reads()
+
+    def _clear_forward_reads(self) -> None:
+        # cleared in place: a compiled graph's guards see the same objects at every forward
         self._streams.clear()
         self._finite.clear()
         self._finite_modules.clear()
@@ -800,7 +797,7 @@ class Probe:
         self._finish_streams()
         self._finish_finite()
         positions, packed = self._pack()
-        total = sum(slot.size for slot in self._slots.values())
+        total = self._slots_size
         if _world_size() > 1:
             combined = self._combine_ranks(positions, packed, total).tolist()  # the one transfer
             values, present = combined[:total], combined[total:]
@@ -962,6 +959,7 @@ class Probe:
         for key, size, reduce in entries:
             self._slots[key] = _Slot(offset, size, reduce)
             offset += size
+        self._slots_size = offset
 
     def _record(
         self, values: list[float], present: list[float], validation: bool = False
@@ -1179,11 +1177,8 @@ def _rowwise(
 def _stream_rms(reads: Sequence[_StreamRead]) -> torch.Tensor:
     """Each read stream's RMS, from its per-position norms."""
     if len({(r.numel, r.norms.shape) for r in reads}) == 1:
-        norms = torch.stack([r.norms for r in reads])
-        return torch.linalg.vector_norm(norms, dim=-1) / math.sqrt(max(reads[0].numel, 1))
-    return torch.stack(
-        [torch.linalg.vector_norm(r.norms) / math.sqrt(max(r.numel, 1)) for r in reads]
-    )
+        return probes.rms_from_row_norms(torch.stack([r.norms for r in reads]), reads[0].numel)
+    return torch.stack([probes.rms_from_row_norms(r.norms, r.numel) for r in reads])
 
 
 def _weight(module: nn.Module) -> torch.Tensor:

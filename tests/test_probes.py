@@ -50,6 +50,8 @@ def test_row_norms_add_up_to_the_rms() -> None:
     norms = probes.row_norms(x)
     assert norms.shape == (20,) and norms.dtype == torch.float32
     assert float(norms.norm() / math.sqrt(x.numel())) == pytest.approx(float(probes.rms(x)))
+    stacked = probes.rms_from_row_norms(torch.stack([norms, 2 * norms]), x.numel())
+    assert stacked.tolist() == pytest.approx([float(probes.rms(x)), 2 * float(probes.rms(x))])
 
 
 def test_squared_norms_summed_by_block() -> None:
