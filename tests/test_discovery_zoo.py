@@ -33,6 +33,8 @@ def test_discovery_matches_the_source(name: str) -> None:
     assert sum(a.kind == "projection" for a in m.residual_adds) == e.projection_adds
     found = {f"{a.module}#{a.ordinal}": a.branch_out for a in m.residual_adds if a.call == 0}
     assert {k: found.get(k) for k in e.branch_out} == e.branch_out
+    writers = {f"{a.module}#{a.ordinal}": a.writers for a in m.residual_adds if a.call == 0}
+    assert {k: writers.get(k) for k in e.writers} == e.writers
     assert len(m.attention) == e.attention
     assert m.head == e.head
     # read-only: the same state, no hook left

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +50,8 @@ class Expected:
     attention: int
     head: str | None
     projection_adds: int = 0
+    # "<module path>#<ordinal>" -> every layer writing into the stream through that add
+    writers: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass

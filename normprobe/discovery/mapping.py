@@ -15,8 +15,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import norms as norm_rules
+from .attention import find_attention
 from .model_map import (
     Anchor,
+    AttentionImpl,
     Attention,
     EpsPlacement,
     ModelMap,
@@ -28,7 +30,7 @@ from .model_map import (
 )
 from .residual import FoundAdd, find_residual_adds
 from .stacks import FoundStack, executed_stacks, structural_stacks
-from .trace import MATMUL_OPS, Graph, Key, trace
+from .trace import Graph, Key, trace
 
 
 class DiscoveryWarning(UserWarning):
@@ -209,7 +211,7 @@ class _Builder:
         self.first_call = first_call
         found_norms = self._norms()
         adds = find_residual_adds(g, self.weight_layers) if g is not None else []
-        attention = self._attention()
+        attention = find_attention(g) if g is not None else {}
         roles, add_norms = self._roles(found_norms, adds, attention)
         norms = [
             NormLayer(**fields, role=roles.get(fields["path"], "other"), **self._where(path))
@@ -320,7 +322,7 @@ class _Builder:
         self,
         found_norms: dict[str, dict[str, Any]],
         adds: list[FoundAdd],
-        attention: dict[str, Literal["sdpa", "eager"]],
+        attention: dict[str, AttentionImpl],
     ) -> tuple[dict[str, NormRole], dict[int, dict[str, str]]]:
         g = self.g
         roles: dict[str, NormRole] = {}
@@ -476,26 +478,7 @@ class _Builder:
         parent = next((stack for stack, _ in self._blocks_of(s.path) if stack != s.path), None)
         return Stack(s.path, tuple(s.blocks), s.block_type, placement, "qk" in roles, parent)
 
-    # attention and head ------------------------------------------------------------------------
-    def _attention(self) -> dict[str, Literal["sdpa", "eager"]]:
-        g = self.g
-        found: dict[str, Literal["sdpa", "eager"]] = {}
-        if g is None:
-            return found
-        events: list[tuple[int, int, Literal["sdpa", "eager"]]] = [
-            (g.calls[c].first_node, c, "sdpa") for c in g.sdpa_calls if c is not None
-        ]
-        for s in g.softmaxes:
-            cid = g.call[s]
-            if cid is None:
-                continue
-            seen, _ = g.region(s, g.calls[cid].first_node - 1)
-            if any(g.op[n] in MATMUL_OPS and len(g.inputs[n]) >= 2 for n in seen):
-                events.append((s, cid, "eager"))
-        for _, cid, impl in sorted(events):
-            found.setdefault(g.calls[cid].path, impl)
-        return found
-
+    # head ----------------------------------------------------------------------------------------
     def _head(self) -> str | None:
         g = self.g
         if g is None or not g.root_outputs:

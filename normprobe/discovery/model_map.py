@@ -12,7 +12,13 @@ NormKind = Literal[
     "batchnorm", "layernorm", "rmsnorm", "groupnorm", "instancenorm", "dyt", "unknown"
 ]
 NormRole = Literal["pre", "post", "sandwich-post", "qk", "final", "branch", "other"]
-Placement = Literal["pre-ln", "post-ln", "sandwich", "deepnorm", "in-branch", "no-norm", "mixed"]
+NormPlacement = Literal[
+    "pre-ln", "post-ln", "sandwich", "deepnorm", "in-branch", "no-norm", "mixed"
+]
+Placement = Literal[
+    "pre-ln", "post-ln", "sandwich", "deepnorm", "in-branch", "no-norm", "mixed", "parallel"
+]
+AttentionImpl = Literal["sdpa", "eager", "mha"]
 EpsPlacement = Literal["inside-sqrt", "outside-sqrt", "unknown"]
 
 
@@ -67,9 +73,16 @@ class Stack:
         path: the container (ModuleList/Sequential) holding the blocks.
         blocks: the blocks' paths, in execution order.
         block_type: the blocks' class name.
-        placement: how norms sit around the residual adds of these blocks.
+        placement: how norms sit around the residual adds of these blocks, or ``parallel``
+            when each block adds several branches computed side by side into the stream at once
+            (``x + attn(ln(x)) + mlp(ln(x))``, GPT-J); ``norm_placement`` then says how the
+            norms sit.
         qk_norm: whether the blocks normalize queries/keys.
         parent: the enclosing stack's path when stacks are nested.
+        norm_placement: how norms sit, for every stack (equal to ``placement`` unless that is
+            ``parallel``).
+        repeated: the blocks are one module run several times (ALBERT's shared layer);
+            ``blocks`` then holds its path once per run.
     """
 
     path: str
@@ -78,6 +91,8 @@ class Stack:
     placement: Placement
     qk_norm: bool = False
     parent: str | None = None
+    norm_placement: NormPlacement = "no-norm"
+    repeated: bool = False
 
     @property
     def depth(self) -> int:
@@ -111,11 +126,25 @@ class ResidualAdd:
         kind: ``identity`` for ``x + F(x)``, ``projection`` when the skip has its own layer
             (ResNet's 1x1-conv downsample).
         stack, block: the stack and block the add belongs to.
-        branch_out: the branch's last weight layer: the one writing into the residual stream.
+        branch_out: the branch's single writer when it has exactly one, else None. Kept for
+            one release; read ``writers``.
         branch_layers: the branch's weight layers (Linear/Conv/...), in execution order.
         skip_scale: factor on the skip operand (DeepNorm's alpha), 1.0 if none.
         pre_norm, post_norm, sandwich_norm: paths of the norms around this add, if any.
         anchor: where the add's output can be read on every step.
+        writers: every weight layer that writes into the stream through this add: the last
+            weight layer on each path from the branch's input to the add, in execution order
+            (attention's output projection and the MLP's down projection of a parallel block;
+            every expert of a mixture). Gates and routers are never writers.
+        writer_params: the parameters those writers apply as weights (``experts.down_proj``
+            of fused experts that also hold ``experts.gate_up_proj``).
+        gates: weight layers whose output multiplies a writer's output on its way to the add
+            (a router, a sigmoid gate): they scale what is written, they do not write it.
+        scales: parameters multiplied elementwise into a writer's output on its way to the add
+            (a layer scale of shape (C), (C, 1, 1) or (1, 1, C)).
+        parallel: the branch sums several ungated sub-branches (a parallel block).
+        open_path: some path from the branch's input reaches the add without a weight layer,
+            so no layer's init or scale controls all that the branch writes.
     """
 
     module: str
@@ -131,14 +160,21 @@ class ResidualAdd:
     post_norm: str | None = None
     sandwich_norm: str | None = None
     anchor: Anchor | None = None
+    writers: tuple[str, ...] = ()
+    writer_params: tuple[str, ...] = ()
+    gates: tuple[str, ...] = ()
+    scales: tuple[str, ...] = ()
+    parallel: bool = False
+    open_path: bool = False
 
 
 @dataclass(frozen=True)
 class Attention:
-    """A module computing softmax(QK^T): itself (``eager``) or by fused ``sdpa``."""
+    """A module computing softmax(QK^T): itself (``eager``), by fused ``sdpa``, or as torch's
+    ``nn.MultiheadAttention`` (``mha``)."""
 
     path: str
-    impl: Literal["sdpa", "eager"]
+    impl: AttentionImpl
     stack: str | None = None
     block: int | None = None
 
