@@ -8,7 +8,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,11 +18,12 @@ from . import norms as norm_rules
 from .attention import find_attention
 from .model_map import (
     Anchor,
-    AttentionImpl,
     Attention,
+    AttentionImpl,
     EpsPlacement,
     ModelMap,
     NormLayer,
+    NormPlacement,
     NormRole,
     Placement,
     ResidualAdd,
@@ -190,28 +191,38 @@ class _Builder:
         self.trace_ms = trace_ms
         self.notes: list[str] = []
         self._seen_at: dict[int, list[tuple[int, tuple[int, str, int, Key]]]] | None = None
-        self.weight_layers = {
-            path
-            for path, m in model.named_modules()
-            if any(p.ndim >= 2 for p in m.parameters(recurse=False))
-        }
+        self.weight_layers: set[str] = set()
 
     def build(self) -> ModelMap:
         g = self.g
-        stacks = structural_stacks(self.model)
+        adds = find_residual_adds(g) if g is not None else []
+        self.adds = adds
         if g is not None:
-            stacks = executed_stacks(stacks, g)
+            self.weight_layers = {o for n, o in enumerate(g.owner) if g.weight[n] and o is not None}
+            touched = [
+                {g.calls[a.call].path, *(g.owner[n] or "" for n in a.writes.writers)} for a in adds
+            ]
+            stacks = executed_stacks(
+                structural_stacks(self.model),
+                g,
+                lambda block: any(_within(p, block) for paths in touched for p in paths),
+            )
+        else:  # without a forward only the module tree shows: containers of one class
+            stacks = [s for s in structural_stacks(self.model) if s.generic]
         self.stacks = stacks
         # block path -> (stack, index); a path's blocks are found among its dotted prefixes
-        self.blocks = {b: (s.path, i) for s in stacks for i, b in enumerate(s.blocks)}
+        self.blocks = {
+            b: (s.path, i) for s in stacks if not s.repeated for i, b in enumerate(s.blocks)
+        }
+        self.repeated = {s.blocks[0]: s.path for s in stacks if s.repeated}
         first_call: dict[str, int] = {}
         if g is not None:
             for cid, call in enumerate(g.calls):
                 first_call.setdefault(call.path, cid)
         self.first_call = first_call
         found_norms = self._norms()
-        adds = find_residual_adds(g, self.weight_layers) if g is not None else []
         attention = find_attention(g) if g is not None else {}
+        self.add_where = [self._add_where(a) for a in adds]
         roles, add_norms = self._roles(found_norms, adds, attention)
         norms = [
             NormLayer(**fields, role=roles.get(fields["path"], "other"), **self._where(path))
@@ -221,7 +232,9 @@ class _Builder:
         residual_adds = []
         for i, a in enumerate(adds):
             ordinals[a.call] = ordinals.get(a.call, -1) + 1
-            residual_adds.append(self._add(a, ordinals[a.call], add_norms.get(i, {})))
+            residual_adds.append(
+                self._add(a, self.add_where[i], ordinals[a.call], add_norms.get(i, {}), norms)
+            )
         map_stacks = [self._stack(s, norms, residual_adds) for s in stacks]
         model_map = ModelMap(
             model_type=type(self.model).__name__,
@@ -233,6 +246,9 @@ class _Builder:
             traced=g is not None,
             trace_ms=self.trace_ms if g is not None else 0.0,
             notes=self.notes,
+            weight_layers=tuple(
+                p for p, _ in self.model.named_modules() if p in self.weight_layers
+            ),
         )
         self._warn(model_map)
         return model_map
@@ -324,6 +340,8 @@ class _Builder:
         adds: list[FoundAdd],
         attention: dict[str, AttentionImpl],
     ) -> tuple[dict[str, NormRole], dict[int, dict[str, str]]]:
+        """Each norm's role from the dataflow around the residual adds, never from the kind of
+        shortcut or where the norm module sits."""
         g = self.g
         roles: dict[str, NormRole] = {}
         add_norms: dict[int, dict[str, str]] = {}
@@ -337,19 +355,23 @@ class _Builder:
             call = g.calls[cid]
             if call.in_node is not None and call.out_node is not None:
                 io[path] = (g.alias[call.in_node], call.out_node)
-        branch_of = {g.alias[a.branch]: i for i, a in enumerate(adds)}
-        skip_of: dict[int, list[int]] = {}
-        sum_of = {a.out: i for i, a in enumerate(adds)}
+        branch_of = {g.alias[b]: i for i, a in enumerate(adds) for b in a.branches}
+        stream_of: dict[int, list[int]] = {}
         for i, a in enumerate(adds):
-            skip_of.setdefault(g.alias[a.skip], []).append(i)
-        # pre norms first: sandwich-post needs to know whether the branch has one
+            stream_of.setdefault(g.alias[a.stream], []).append(i)
+        sum_of = {a.out: i for i, a in enumerate(adds)}
+        # pre norms first: sandwich-post needs to know whether the branch has one. A pre norm
+        # reads the stream an add's branch reads and feeds that branch; in front of a
+        # projection shortcut its output may be what both sides read.
         for path, (inp, out) in io.items():
-            for i in skip_of.get(inp, []):
-                if out in adds[i].region:
+            for i in stream_of.get(inp, []) + stream_of.get(g.alias[out], []):
+                a = adds[i]
+                fork = a.kind == "projection" and g.alias[out] == g.alias[a.stream]
+                if fork or (inp == g.alias[a.stream] and out in a.region):
                     roles[path] = "pre"
                     add_norms.setdefault(i, {})["pre_norm"] = path
                     break
-        stack_ends = self._stack_ends(adds)
+        readers = {inp: path for path, (inp, _) in io.items() if path not in roles}
         in_branch = set().union(*(a.region for a in adds)) if adds else set()
         for path, (inp, out) in io.items():
             if path in roles:
@@ -361,63 +383,130 @@ class _Builder:
                     add_norms[i]["sandwich_norm"] = path
                 else:
                     roles[path] = "branch"
-            elif inp in sum_of and self._same_block(path, adds[sum_of[inp]]):
-                roles[path] = "post"
-                add_norms.setdefault(sum_of[inp], {})["post_norm"] = path
+            elif inp in sum_of and (role := self._after_sum(path, sum_of[inp], readers)):
+                roles[path] = role
+                if role == "post":
+                    add_norms.setdefault(sum_of[inp], {})["post_norm"] = path
             elif any(path.startswith(att + ".") for att in attention):
                 roles[path] = "qk"
-            elif self._block_of(path) is None and any(
-                inp >= end and end in g.region(inp, end - 1)[0] for end in stack_ends
-            ):
+            elif self._follows_stack(path, inp):
                 roles[path] = "final"
             elif out in in_branch or inp in in_branch:
                 roles[path] = "branch"
         return roles, add_norms
 
-    def _same_block(self, norm: str, add: FoundAdd) -> bool:
-        """A post norm sits in the block of the add it follows: no stack separates them."""
-        norm_blocks = dict(self._blocks_of(norm))
-        if not norm_blocks:
-            return False
-        add_blocks = self._blocks_of(self._add_anchor_path(add))
-        return all(norm_blocks.get(stack, index) == index for stack, index in add_blocks)
+    def _after_sum(self, norm: str, i: int, readers: dict[int, str]) -> NormRole | None:
+        """The role of a norm reading add ``i``'s sum: ``post`` wherever it sits, except after
+        a stack's last add when the same add of the other blocks has no norm on its sum: then
+        it closes the stack (``final``) if it sits in the blocks around the stack, and belongs
+        to what follows (a downsample) otherwise."""
+        stack, block = self.add_where[i]
+        if stack is None or self._inside(norm, stack):
+            return "post"
+        mine = [j for j, (s, _) in enumerate(self.add_where) if s == stack]
+        if mine[-1] != i:
+            return "post"
+        position = [j for j in mine if self.add_where[j][1] == block].index(i)
+        others = {b for _, b in (self.add_where[j] for j in mine) if b != block}
+        following = 0
+        for b in others:
+            same = [j for j in mine if self.add_where[j][1] == b]
+            if position < len(same) and self.adds[same[position]].out in readers:
+                following += 1
+        if others and following == len(others):
+            return "post"
+        return "final" if self._around(norm) == self._around_stack(stack) else None
 
-    def _stack_ends(self, adds: list[FoundAdd]) -> list[int]:
+    def _around(self, path: str) -> set[tuple[str, int | None]]:
+        """The blocks (stack, index) holding ``path``."""
+        return set(self._blocks_of(path))
+
+    def _around_stack(self, stack: str) -> set[tuple[str, int | None]]:
+        return {b for b in self._around(self._stack_blocks(stack)[0]) if b[0] != stack}
+
+    def _follows_stack(self, norm: str, inp: int) -> bool:
+        """A norm downstream of a stack's last sum, in the same enclosing blocks as the stack."""
+        g = self.g
+        assert g is not None
         last: dict[str, int] = {}
-        for a in adds:
-            stack = self._where(self._add_anchor_path(a))["stack"]
+        for (stack, _), a in zip(self.add_where, self.adds, strict=True):
             if stack is not None:
                 last[stack] = max(last.get(stack, -1), a.out)
-        return sorted(last.values())
+        outer = self._around(norm)
+        for stack, end in last.items():
+            if (
+                outer == self._around_stack(stack)
+                and inp >= end
+                and end in g.region(inp, end - 1)[0]
+            ):
+                return True
+        return False
 
     # residual adds ----------------------------------------------------------------------------
-    def _add_anchor_path(self, a: FoundAdd) -> str:
-        """The path that decides an add's stack: its branch's last layer, else its module."""
-        assert self.g is not None
-        module = self.g.calls[a.call].path
-        if a.layers and self._block_of(a.layers[-1]) is not None:
-            return a.layers[-1]
-        return module
+    def _add_where(self, a: FoundAdd) -> tuple[str | None, int | None]:
+        """The stack and block of an add: the innermost block holding its last writer (else
+        the module performing it); a repeated block's index is the run it happened in."""
+        g = self.g
+        assert g is not None
+        module = g.calls[a.call].path
+        writers = [g.owner[n] for n in a.writes.writers]
+        anchor = writers[-1] if writers and self._blocks_of(writers[-1] or "") else module
+        found = self._blocks_of(anchor or "")
+        if not found:
+            return None, None
+        stack, index = found[0]
+        if index is None:  # a repeated block: count its runs up to this add
+            block = self._stack_blocks(stack)[0]
+            start = g.call[a.writes.writers[-1]] if a.writes.writers else a.call
+            c: int | None = start
+            while c is not None and g.calls[c].path != block:
+                c = g.calls[c].parent
+            index = g.calls[c].index if c is not None else None
+        return stack, index
 
-    def _add(self, a: FoundAdd, ordinal: int, norms: dict[str, str]) -> ResidualAdd:
+    def _add(
+        self,
+        a: FoundAdd,
+        where: tuple[str | None, int | None],
+        ordinal: int,
+        norms: dict[str, str],
+        norm_layers: list[NormLayer],
+    ) -> ResidualAdd:
         g = self.g
         assert g is not None
         call = g.calls[a.call]
-        where = self._where(self._add_anchor_path(a))
+        w = a.writes
+        writers = tuple(dict.fromkeys(o for n in w.writers if (o := g.owner[n]) is not None))
+        norm_paths = {n.path for n in norm_layers}
+        scales = tuple(
+            dict.fromkeys(
+                q for n in w.scales for q in g.param_src[n] if _parent(q) not in norm_paths
+            )
+        )
         return ResidualAdd(
             module=call.path,
             call=call.index,
             ordinal=ordinal,
             kind="identity" if a.kind == "identity" else "projection",
-            stack=where["stack"],
-            block=where["block"],
-            branch_out=a.layers[-1] if a.layers else None,
+            stack=where[0],
+            block=where[1],
+            branch_out=writers[0] if len(writers) == 1 else None,
             branch_layers=a.layers,
             skip_scale=a.skip_scale,
             pre_norm=norms.get("pre_norm"),
             post_norm=norms.get("post_norm"),
             sandwich_norm=norms.get("sandwich_norm"),
             anchor=self._anchor(a),
+            writers=writers,
+            writer_params=tuple(dict.fromkeys(q for n in w.writers for q in g.weight[n])),
+            gates=tuple(
+                dict.fromkeys(
+                    o for n in w.gates if (o := g.owner[n]) is not None and o not in writers
+                )
+            ),
+            scales=scales,
+            parallel=w.parallel,
+            open_path=w.open_path,
         )
 
     def _anchor(self, a: FoundAdd) -> Anchor:
@@ -439,44 +528,66 @@ class _Builder:
         return Anchor("pre" if hook == "pre" else "post", call.path, call.index, key)
 
     # stacks ------------------------------------------------------------------------------------
-    def _blocks_of(self, path: str) -> list[tuple[str, int]]:
-        """(stack, block index) of every block containing ``path``, innermost first."""
-        parts = path.split(".")
-        prefixes = (".".join(parts[:i]) for i in range(len(parts), 0, -1))
-        return [self.blocks[p] for p in prefixes if p in self.blocks]
+    def _blocks_of(self, path: str) -> list[tuple[str, int | None]]:
+        """(stack, block index) of every block containing ``path``, innermost first; a
+        repeated block's index is None (it is every block of its stack)."""
+        parts = path.split(".") if path else []
+        prefixes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+        found: list[tuple[str, int | None]] = []
+        for p in prefixes:
+            if p in self.repeated:
+                found.append((self.repeated[p], None))
+            if p in self.blocks:
+                found.append(self.blocks[p])
+        return found
 
-    def _block_of(self, path: str) -> tuple[str, int] | None:
+    def _block_of(self, path: str) -> tuple[str, int | None] | None:
         found = self._blocks_of(path)
         return found[0] if found else None
+
+    def _inside(self, path: str, stack: str) -> bool:
+        return any(s == stack for s, _ in self._blocks_of(path))
+
+    def _stack_blocks(self, stack: str) -> list[str]:
+        return next(s.blocks for s in self.stacks if s.path == stack)
 
     def _where(self, path: str) -> dict[str, Any]:
         found = self._block_of(path)
         return {"stack": found[0], "block": found[1]} if found else {"stack": None, "block": None}
 
     def _stack(self, s: FoundStack, norms: list[NormLayer], adds: list[ResidualAdd]) -> Stack:
-        def inside(path: str) -> bool:
-            return any(stack == s.path for stack, _ in self._blocks_of(path))
-
-        mine = [a for a in adds if a.stack == s.path or inside(a.module)]
+        mine = [a for a in adds if a.stack == s.path or self._inside(a.module, s.path)]
         by_path = {n.path: n for n in norms}
-        roles = {n.role for n in norms if inside(n.path)}
+        roles = {n.role for n in norms if self._inside(n.path, s.path)}
         for a in mine:
             for p in (a.pre_norm, a.post_norm, a.sandwich_norm):
                 if p is not None:
                     roles.add(by_path[p].role)
-        placement: Placement
+        norm_placement: NormPlacement
         if "post" in roles and "pre" in roles:
-            placement = "mixed"
+            norm_placement = "mixed"
         elif "post" in roles:
-            placement = "deepnorm" if any(a.skip_scale > 1 + 1e-6 for a in mine) else "post-ln"
+            deep = any(a.skip_scale > 1 + 1e-6 for a in mine)
+            norm_placement = "deepnorm" if deep else "post-ln"
         elif "pre" in roles:
-            placement = "sandwich" if "sandwich-post" in roles else "pre-ln"
+            norm_placement = "sandwich" if "sandwich-post" in roles else "pre-ln"
         elif roles & {"branch", "sandwich-post"}:
-            placement = "in-branch"
+            norm_placement = "in-branch"
         else:
-            placement = "no-norm"
-        parent = next((stack for stack, _ in self._blocks_of(s.path) if stack != s.path), None)
-        return Stack(s.path, tuple(s.blocks), s.block_type, placement, "qk" in roles, parent)
+            norm_placement = "no-norm"
+        own = [a for a in adds if a.stack == s.path]
+        placement: Placement = "parallel" if any(a.parallel for a in own) else norm_placement
+        parent = next((stack for stack, _ in self._blocks_of(s.blocks[0]) if stack != s.path), None)
+        return Stack(
+            s.path,
+            tuple(s.blocks),
+            s.block_type,
+            placement,
+            "qk" in roles,
+            parent,
+            norm_placement=norm_placement,
+            repeated=s.repeated,
+        )
 
     # head ----------------------------------------------------------------------------------------
     def _head(self) -> str | None:
@@ -508,6 +619,14 @@ class _Builder:
                 DiscoveryWarning,
                 4,  # the caller of discover()
             )
+
+
+def _within(path: str, block: str) -> bool:
+    return path == block or path.startswith(block + ".")
+
+
+def _parent(qualified: str) -> str:
+    return qualified.rpartition(".")[0]
 
 
 def _eps_placement(

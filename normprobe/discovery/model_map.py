@@ -193,6 +193,8 @@ class ModelMap:
         traced: whether a forward pass was observed (residual adds, roles and behaviour need it).
         trace_ms: how long the observed forward took, in milliseconds.
         notes: things a reader should know (disagreements, missing sections).
+        weight_layers: modules whose parameters the traced forward applied as weights
+            (matrices, kernels, tables), in module order; empty unless traced.
     """
 
     model_type: str
@@ -204,6 +206,7 @@ class ModelMap:
     traced: bool = False
     trace_ms: float = 0.0
     notes: list[str] = field(default_factory=list)
+    weight_layers: tuple[str, ...] = ()
 
     def norm(self, path: str) -> NormLayer:
         """The norm at ``path``; KeyError lists the known ones."""

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -50,6 +51,7 @@ class Behaviour:
     gain_offset: float | None
     eps_placement: EpsPlacement
     kind: NormKind
+    varying: tuple[int, ...] = ()  # the input dims sharing statistics with one element
 
 
 def torch_kind(module: nn.Module) -> NormKind | None:
@@ -122,7 +124,46 @@ def torch_dims(module: nn.Module) -> tuple[int, ...]:
     return ()
 
 
+# timm's norm classes by the axis their statistics run over (matched by class, not by name)
+_TIMM_LAYOUTS = {
+    "channels-first": ("LayerNorm2d", "LayerNorm2dFp32", "LayerNormExp2d", "RmsNorm2d",
+                       "RmsNorm2dFp32", "SimpleNorm2d", "SimpleNorm2dFp32"),
+    "channels-last": ("LayerNorm", "LayerNormFp32", "RmsNorm", "RmsNormFp32", "SimpleNorm",
+                      "SimpleNormFp32"),
+}  # fmt: skip
+
+
+def _runs_torch_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is that of the torch.nn class it derives from."""
+    base = next((c for c in type(module).__mro__ if c.__module__.startswith("torch.nn")), None)
+    return base is not None and type(module).forward is cast(type[nn.Module], base).forward
+
+
+def declared_layout(module: nn.Module) -> str:
+    """The statistics layout the module itself declares, without running it; ``""`` if none.
+
+    A ``data_format`` attribute (``"channels_first"``/``"channels_last"``: Hugging Face's
+    ConvNeXt LayerNorm, normprobe's own layers), timm's norm classes, or a torch norm class
+    whose forward is torch's own.
+    """
+    fmt = getattr(module, "data_format", None)
+    if fmt in ("channels_first", "channels_last"):
+        return str(fmt).replace("_", "-")
+    timm_norm = sys.modules.get("timm.layers.norm")
+    for layout, names in _TIMM_LAYOUTS.items():
+        classes = tuple(c for n in names if isinstance(c := getattr(timm_norm, n, None), type))
+        if classes and isinstance(module, classes):
+            return layout
+    if _runs_torch_forward(module):
+        return torch_layout(module)
+    return ""
+
+
 def torch_layout(module: nn.Module) -> str:
+    """The layout of a torch norm class; for a subclass with a forward of its own, only what it
+    declares (`declared_layout`)."""
+    if not type(module).__module__.startswith("torch.") and not _runs_torch_forward(module):
+        return declared_layout(module)
     if isinstance(module, nn.modules.instancenorm._InstanceNorm):
         return "spatial"
     if isinstance(module, _NormBase):
@@ -232,7 +273,7 @@ def probe(module: nn.Module, args: Any, kwargs: Any, eps: float | None) -> Behav
 
 def _describe(p: _Prober, y: torch.Tensor, eps: float | None) -> Behaviour:
     centering = _rel(y, p(p.x + 3.0 * p.size)) < 1e-3
-    layout, dims = _statistics_layout(p, y)
+    layout, dims, varying = _statistics_layout(p, y)
     gain_offset = None
     if p.params:
         zeros = {n: torch.zeros_like(t) for n, t in p.params.items()}
@@ -248,10 +289,11 @@ def _describe(p: _Prober, y: torch.Tensor, eps: float | None) -> Behaviour:
         kind = "layernorm" if centering else "rmsnorm"
     else:
         kind = "unknown"
-    return Behaviour(centering, layout, dims, gain_offset, _eps_placement(p, eps), kind)
+    placement = _eps_placement(p, eps)
+    return Behaviour(centering, layout, dims, gain_offset, placement, kind, varying)
 
 
-def _statistics_layout(p: _Prober, y: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+def _statistics_layout(p: _Prober, y: torch.Tensor) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """Perturb one element and see which others move: they share its statistics."""
     x = p.x.clone()
     shape = x.shape
@@ -259,6 +301,13 @@ def _statistics_layout(p: _Prober, y: torch.Tensor) -> tuple[str, tuple[int, ...
     x[center] = x[center] + 5.0 * p.size
     moved = ((p(x) - y).abs() > 1e-6 * y.abs().max().clamp_min(1e-30)).nonzero()
     varying = {d for d in range(len(shape)) if (moved[:, d] != center[d]).any()}
+    layout, dims = _classify(shape, moved, varying)
+    return layout, dims, tuple(sorted(varying))
+
+
+def _classify(
+    shape: torch.Size, moved: torch.Tensor, varying: set[int]
+) -> tuple[str, tuple[int, ...]]:
     nd = len(shape)
     if not varying:
         return "", ()
@@ -271,7 +320,7 @@ def _statistics_layout(p: _Prober, y: torch.Tensor) -> tuple[str, tuple[int, ...
     if nd >= 3 and 1 not in varying:
         return "spatial", (shape[1],)
     if nd >= 3 and 1 in varying:
-        channels = int(moved[:, 1].unique().numel())
+        channels = int(torch.unique(moved[:, 1]).numel())
         if channels == shape[1] and varying == set(range(1, nd)):
             return "channels-first", tuple(shape[1:])
         return "groups", (shape[1] // channels, shape[1])

@@ -1,24 +1,47 @@
-"""Tell residual adds (`x + F(x)`) apart from every other tensor add in a traced forward.
+"""Tell residual adds (`x + F(x)`) apart from every other tensor add in a traced forward, and
+find what each branch writes into the stream.
 
 An add ``a + b`` of two activations of the same shape is residual when
 
 * ``identity``: the root of one operand (seen through views, dropout and scaling by a constant,
-  the DeepNorm ``alpha * x``) is an ancestor of the other operand, and the other side computes
-  with a parameter on the way (this excludes GELU's internal ``x + 0.044715 x**3``); or
+  the DeepNorm ``alpha * x``) is an ancestor of the other operand, and the other side applies a
+  weight (a matrix, kernel or table) on the way: this excludes GELU's internal
+  ``x + 0.044715 x**3`` and the ``+ x`` of a global response norm, whose branch holds only
+  elementwise parameters; or
 * ``projection``: neither is an ancestor of the other, both descend from a common input of the
-  enclosing module call, both sides use parameters, and one side runs inside a single child
+  enclosing module call, both sides apply weights, and one side runs inside a single child
   module and is shallower than the other (ResNet's downsample; this excludes GPT-NeoX's
   ``attn_out + mlp_out`` and sums of parallel experts).
 
-Ancestry runs through activations only, so mask, bias, position and rotary adds, whose one side
-is computed from buffers, parameters or other inputs, never qualify.
+A further branch added onto a residual sum, reading the stream that sum's skip came from
+(Cohere's ``x + attn + mlp``), joins that add: one add, several branches. Ancestry runs through
+activations only, so mask, bias, position and rotary adds, whose one side is computed from
+buffers, parameters or other inputs, never qualify.
+
+What a branch writes follows its dataflow backwards from the add: the last weight op on each
+path is a writer; a factor multiplied into a path (a sigmoid gate, a router's weights, a layer
+scale) is a gate or a scale, never a writer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .trace import Graph
+from .trace import ADD_OPS, SCALE_OPS, Graph
+
+# Ops whose output, multiplied into a value, gates it.
+GATE_OPS = frozenset({"sigmoid", "sigmoid_", "softmax", "_softmax", "hardsigmoid", "tanh"})
+
+
+@dataclass
+class Writes:
+    """What one branch writes into the stream: the weight ops reaching the add."""
+
+    writers: list[int] = field(default_factory=list)  # nodes of the last weight op on each path
+    gates: list[int] = field(default_factory=list)  # weight ops on gating factors
+    scales: list[int] = field(default_factory=list)  # elementwise-parameter factors on a path
+    parallel: bool = False  # several ungated sub-branches summed
+    open_path: bool = False  # a path reaches the add from the stream without a weight op
 
 
 @dataclass
@@ -27,20 +50,20 @@ class FoundAdd:
 
     out: int  # node of the sum
     skip: int  # node of the skip operand
-    branch: int  # node of the branch operand
+    branches: list[int]  # nodes of the branch operands (several for a parallel block)
     kind: str  # "identity" | "projection"
     call: int  # call performing the add
-    region: set[int]  # nodes computed by the branch only
+    region: set[int]  # nodes computed by the branches only
+    stream: int  # node the branches read the stream from (the fork, for a projection)
     layers: tuple[str, ...]  # weight layers on the branch, in execution order
     skip_scale: float
+    writes: Writes
 
 
-def find_residual_adds(g: Graph, weight_layers: set[str]) -> list[FoundAdd]:
-    """Every residual add in ``g``, in execution order.
-
-    ``weight_layers`` are the paths of modules holding a matrix or kernel (ndim >= 2) parameter.
-    """
-    found = []
+def find_residual_adds(g: Graph) -> list[FoundAdd]:
+    """Every residual add in ``g``, in execution order (by the node of its sum)."""
+    found: list[FoundAdd] = []
+    by_out: dict[int, FoundAdd] = {}
     for out, a, b in g.adds:
         if not (g.act[a] and g.act[b]) or g.shape[a] != g.shape[b]:
             continue
@@ -50,29 +73,51 @@ def find_residual_adds(g: Graph, weight_layers: set[str]) -> list[FoundAdd]:
         if cid is None:
             continue
         hit = _identity(g, a, b) or _identity(g, b, a)
+        joined = None if hit else _join(g, by_out, out, a, b) or _join(g, by_out, out, b, a)
+        if joined is not None:
+            by_out[out] = joined
+            continue
         if hit is not None:
             skip, branch, region, reached = hit
-            kind, scale = "identity", _skip_factor(g, skip, reached)
+            kind, scale, stream = "identity", _skip_factor(g, skip, reached), g.alias[skip]
         else:
-            proj = _projection(g, a, b, cid, weight_layers)
+            proj = _projection(g, a, b, cid)
             if proj is None:
                 continue
-            skip, branch, region = proj
+            skip, branch, region, stream = proj
             kind, scale = "projection", 1.0
-        found.append(
-            FoundAdd(out, skip, branch, kind, cid, region, _layers(g, region, weight_layers), scale)
-        )
-    return found
+        add = FoundAdd(out, skip, [branch], kind, cid, region, stream, (), scale, Writes())
+        _describe(g, add)
+        found.append(add)
+        by_out[out] = add
+    return sorted(found, key=lambda f: f.out)
 
 
 def _identity(g: Graph, skip: int, branch: int) -> tuple[int, int, set[int], set[int]] | None:
     root = g.alias[skip]
     region, frontier = g.region(branch, root)
-    if root in frontier and any(g.uses_param[n] for n in region):
+    if root in frontier and any(g.weight[n] for n in region):
         # views of the stream itself (a permute or scale the branch read through) are not branch
         branch_only = {n for n in region if g.alias[n] != root}
         return skip, branch, branch_only, region | frontier
     return None
+
+
+def _join(
+    g: Graph, by_out: dict[int, FoundAdd], out: int, total: int, other: int
+) -> FoundAdd | None:
+    """``(x + a) + m`` where ``m`` also reads the stream ``x``: one add with branches a and m."""
+    add = by_out.get(g.alias[total])
+    if add is None or add.kind != "identity":
+        return None
+    hit = _identity(g, add.skip, other)
+    if hit is None:
+        return None
+    add.out = out
+    add.branches.append(other)
+    add.region |= hit[2]
+    _describe(g, add)
+    return add
 
 
 def _skip_factor(g: Graph, skip: int, reached: set[int]) -> float:
@@ -88,33 +133,33 @@ def _skip_factor(g: Graph, skip: int, reached: set[int]) -> float:
     return factor
 
 
-def _projection(
-    g: Graph, a: int, b: int, cid: int, weight_layers: set[str]
-) -> tuple[int, int, set[int]] | None:
+def _projection(g: Graph, a: int, b: int, cid: int) -> tuple[int, int, set[int], int] | None:
     floor = g.calls[cid].first_node - 1
     reg_a, front_a = g.region(a, floor)
     reg_b, front_b = g.region(b, floor)
-    if not (reg_a | front_a) & (reg_b | front_b):
+    shared = (reg_a | front_a) & (reg_b | front_b)
+    if not shared:
         return None
     only_a = reg_a - reg_b
     only_b = reg_b - reg_a
-    if not any(g.uses_param[n] for n in only_a) or not any(g.uses_param[n] for n in only_b):
+    if not any(g.weight[n] for n in only_a) or not any(g.weight[n] for n in only_b):
         return None
     # The shortcut is one child module (the downsample) and shallower than the branch; parallel
     # branches of equal depth (experts, GPT-NeoX's attn_out + mlp_out) are not a skip.
-    depth_a, depth_b = _depth(g, only_a, weight_layers), _depth(g, only_b, weight_layers)
+    fork = max(shared)
+    depth_a, depth_b = _depth(g, only_a), _depth(g, only_b)
     if depth_a < depth_b and _single_child(g, only_a, cid):
-        return a, b, only_b
+        return a, b, only_b, fork
     if depth_b < depth_a and _single_child(g, only_b, cid):
-        return b, a, only_a
+        return b, a, only_a, fork
     return None
 
 
-def _depth(g: Graph, region: set[int], weight_layers: set[str]) -> int:
-    """The most weight layers on one dataflow path through ``region``."""
+def _depth(g: Graph, region: set[int]) -> int:
+    """The most weight ops on one dataflow path through ``region``."""
     depth: dict[int, int] = {}
     for n in sorted(region):
-        here = int(g.uses_param[n] and g.owner[n] in weight_layers)
+        here = int(bool(g.weight[n]))
         depth[n] = here + max((depth.get(i, 0) for i in g.inputs[n]), default=0)
     return max(depth.values(), default=0)
 
@@ -132,10 +177,88 @@ def _single_child(g: Graph, nodes: set[int], cid: int) -> bool:
     return child is not None
 
 
-def _layers(g: Graph, region: set[int], weight_layers: set[str]) -> tuple[str, ...]:
+def _describe(g: Graph, add: FoundAdd) -> None:
+    """Fill in the add's weight layers (execution order) and what its branches write."""
     layers: dict[str, None] = {}
-    for n in sorted(region):
+    for n in sorted(add.region):
         owner = g.owner[n]
-        if g.uses_param[n] and owner is not None and owner in weight_layers:
+        if g.weight[n] and owner is not None:
             layers[owner] = None
-    return tuple(layers)
+    add.layers = tuple(layers)
+    add.writes = _Walk(g, add).run()
+
+
+class _Walk:
+    """Walks a branch backwards from the add; each path ends at its first weight op."""
+
+    def __init__(self, g: Graph, add: FoundAdd) -> None:
+        self.g = g
+        self.add = add
+        self.writes = Writes()
+        self.seen: dict[tuple[int, str], set[int]] = {}
+
+    def run(self) -> Writes:
+        ungated = [self.visit(b, "value") for b in self.add.branches]
+        w = self.writes
+        w.parallel = w.parallel or sum(bool(u) for u in ungated) >= 2
+        w.writers = sorted(set(w.writers))
+        w.gates = sorted(set(w.gates) - set(w.writers))
+        w.scales = sorted(set(w.scales))
+        return w
+
+    def visit(self, n: int, mode: str) -> set[int]:
+        """Walk from node ``n`` in ``mode`` (value, gated or gate); return the ungated writers."""
+        key = (n, mode)
+        if key in self.seen:
+            return self.seen[key]
+        self.seen[key] = set()
+        g, w = self.g, self.writes
+        if n not in self.add.region:
+            if mode != "gate" and g.alias[n] == g.alias[self.add.stream]:
+                w.open_path = True
+            return set()
+        if g.weight[n]:
+            if mode == "gate":
+                w.gates.append(n)
+                return set()
+            w.writers.append(n)
+            result = {n} if mode == "value" else set()
+            self.seen[key] = result
+            return result
+        acts = [i for i in g.inputs[n] if g.act[i]]
+        found: set[int] = set()
+        if g.op[n] in SCALE_OPS and len(acts) == 2 and mode != "gate":
+            gate = self._gate_side(n, acts)
+            for i in acts:
+                side = "gate" if i == gate else ("gated" if gate is not None else mode)
+                found |= self.visit(i, side)
+        elif g.op[n] in ADD_OPS and len(acts) == 2 and mode != "gate":
+            sides = [self.visit(i, mode) for i in acts]
+            if sum(bool(s) for s in sides) >= 2:
+                w.parallel = True
+            found = sides[0] | sides[1]
+        else:
+            if g.uses_param[n] and g.op[n] in SCALE_OPS and mode != "gate":
+                w.scales.append(n)
+            for i in acts:
+                found |= self.visit(i, mode)
+        self.seen[key] = found
+        return found
+
+    def _gate_side(self, n: int, acts: list[int]) -> int | None:
+        """Of two factors of a product, the one that gates the other, if either does."""
+        g = self.g
+        size = [_numel(g.shape[i]) for i in acts]
+        if size[0] != size[1]:
+            return acts[0] if size[0] < size[1] else acts[1]
+        gating = [g.op[g.exact[i]] in GATE_OPS or g.op[i] in GATE_OPS for i in acts]
+        if gating[0] != gating[1]:
+            return acts[0] if gating[0] else acts[1]
+        return None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for s in shape:
+        total *= s
+    return total

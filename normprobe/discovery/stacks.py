@@ -1,7 +1,9 @@
-"""Find the depth axes: containers of repeated blocks that run one after another."""
+"""Find the depth axes: blocks of one class that run one after another, and one block run
+several times in a chain."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -16,6 +18,8 @@ class FoundStack:
     path: str
     blocks: list[str]
     block_type: str
+    generic: bool = True  # a ModuleList/Sequential of one class (else it must show adds)
+    repeated: bool = False  # one module run len(blocks) times
 
 
 def _signature(module: nn.Module) -> tuple[object, ...]:
@@ -27,35 +31,52 @@ def _join(prefix: str, name: str) -> str:
 
 
 def structural_stacks(model: nn.Module) -> list[FoundStack]:
-    """ModuleLists/Sequentials of two or more parameterized children of one class.
+    """Runs of two or more consecutive parameterized children of one class, in any container.
 
-    Children that are themselves generic containers must also share their structure.
+    A run covering every parameterized child of its container takes the container's path;
+    otherwise it is named ``container[first..last]``. Children that are themselves generic
+    containers must also share their structure.
     """
     found = []
     for path, m in model.named_modules():
-        if not isinstance(m, nn.Sequential | nn.ModuleList):
-            continue
-        kids = list(m.named_children())
-        if len(kids) < 2 or len({type(c) for _, c in kids}) != 1:
-            continue
-        if not all(any(True for _ in c.parameters()) for _, c in kids):
-            continue
-        if isinstance(kids[0][1], _GENERIC) and len({_signature(c) for _, c in kids}) != 1:
-            continue
-        blocks = [_join(path, n) for n, _ in kids]
-        found.append(FoundStack(path, blocks, type(kids[0][1]).__name__))
+        kids = [(n, c) for n, c in m.named_children() if any(True for _ in c.parameters())]
+        runs: list[list[tuple[str, nn.Module]]] = []
+        for name, child in kids:
+            if runs and type(runs[-1][-1][1]) is type(child):
+                runs[-1].append((name, child))
+            else:
+                runs.append([(name, child)])
+        # a generic container of one class is a stack by structure; any other run of blocks
+        # must show residual adds when traced
+        uniform = isinstance(m, _GENERIC) and len({type(c) for c in m.children()}) == 1
+        for run in runs:
+            if len(run) < 2:
+                continue
+            if isinstance(run[0][1], _GENERIC) and len({_signature(c) for _, c in run}) != 1:
+                continue
+            if not uniform and not any(True for _ in run[0][1].children()):
+                continue  # two leaf layers of a block (fc1, fc2) are not a depth axis
+            name = path if len(run) == len(kids) else f"{path}[{run[0][0]}..{run[-1][0]}]"
+            blocks = [_join(path, n) for n, _ in run]
+            found.append(FoundStack(name, blocks, type(run[0][1]).__name__, uniform))
     return found
 
 
-def executed_stacks(candidates: list[FoundStack], g: Graph) -> list[FoundStack]:
-    """Keep candidates whose blocks ran in a chain (block i+1 reads what block i wrote).
+def executed_stacks(
+    candidates: list[FoundStack], g: Graph, has_adds: Callable[[str], bool]
+) -> list[FoundStack]:
+    """Keep candidates whose blocks ran in a chain (block i+1 reads what block i wrote), and add
+    every module run several times in a chain; sorted by when their first block ran.
 
-    Blocks are put in execution order and stacks sorted by when their first block ran; expert
-    lists and parallel heads, whose members all read the same input, are dropped.
+    Blocks are put in execution order; expert lists and parallel heads, whose members all read
+    the same input, are dropped. Blocks held by a plain module, and repeated modules, must
+    perform residual adds (``has_adds(path)``): two chained layers of a block are no depth axis.
     """
     first_call: dict[str, int] = {}
+    calls_of: dict[str, list[int]] = {}
     for cid, call in enumerate(g.calls):
         first_call.setdefault(call.path, cid)
+        calls_of.setdefault(call.path, []).append(cid)
     kept: list[tuple[int, FoundStack]] = []
     for cand in candidates:
         ran = sorted((first_call[b], b) for b in cand.blocks if b in first_call)
@@ -63,13 +84,37 @@ def executed_stacks(candidates: list[FoundStack], g: Graph) -> list[FoundStack]:
             _feeds(g, ran[i][0], ran[i + 1][0]) for i in range(len(ran) - 1)
         ):
             continue
-        kept.append((ran[0][0], FoundStack(cand.path, [b for _, b in ran], cand.block_type)))
+        if not cand.generic and not all(has_adds(b) for _, b in ran):
+            continue
+        blocks = [b for _, b in ran]
+        kept.append((ran[0][0], FoundStack(cand.path, blocks, cand.block_type, cand.generic)))
+    repeated: set[str] = set()
+    for path, cids in calls_of.items():
+        if len(cids) < 2 or not has_adds(path) or _inside_repeated(path, repeated, calls_of):
+            continue
+        if not all(_feeds(g, cids[i], cids[i + 1]) for i in range(len(cids) - 1)):
+            continue
+        repeated.add(path)
+        block_type = type(g.calls[cids[0]].module).__name__
+        kept.append((cids[0], FoundStack(path, [path] * len(cids), block_type, repeated=True)))
     return [s for _, s in sorted(kept, key=lambda item: item[0])]
 
 
+def _inside_repeated(path: str, repeated: set[str], calls_of: dict[str, list[int]]) -> bool:
+    """Whether an enclosing module already runs as often (its children repeat with it)."""
+    return any(
+        path.startswith(r + ".") and len(calls_of[r]) == len(calls_of[path]) for r in repeated
+    )
+
+
 def _feeds(g: Graph, earlier: int, later: int) -> bool:
-    out, inp = g.calls[earlier].out_node, g.calls[later].in_node
-    if out is None or inp is None:
+    """Whether some output of call ``earlier`` reaches some input of call ``later``."""
+    outs = g.calls[earlier].out_nodes
+    if not outs:
         return False
-    seen, _ = g.region(inp, out - 1)
-    return out in seen
+    floor = min(outs) - 1
+    for inp in g.calls[later].in_nodes:
+        seen, _ = g.region(inp, floor)
+        if any(o in seen for o in outs):
+            return True
+    return False

@@ -47,12 +47,38 @@ PASS_OPS = frozenset(
 )
 SCALE_OPS = frozenset({"mul", "__mul__", "__rmul__", "div", "__truediv__", "mul_", "__imul__"})
 MATMUL_OPS = frozenset({"matmul", "__matmul__", "bmm", "einsum", "baddbmm"})
+# Ops that apply a parameter as a weight (a matrix, kernel or table), whatever view of it.
+WEIGHT_OPS = frozenset(
+    {
+        "linear",
+        "bilinear",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "matmul",
+        "__matmul__",
+        "__rmatmul__",
+        "mm",
+        "bmm",
+        "addmm",
+        "addbmm",
+        "baddbmm",
+        "einsum",
+        "tensordot",
+        "embedding",
+        "embedding_bag",
+    }
+)
+# nn.MultiheadAttention's functional forms: what they write comes through ``out_proj_weight``.
+MHA_OPS = {"multi_head_attention_forward": 11, "_native_multi_head_attention": 7}
 SOFTMAX_OPS = frozenset({"softmax", "_softmax"})
 SDPA_OPS = frozenset({"scaled_dot_product_attention"})
 # Tensor methods that do no computation worth recording.
 _IGNORED = frozenset(
     {
-        "__get__",
         "__set__",
         "size",
         "dim",
@@ -113,6 +139,8 @@ class Call:
     end_node: int = -1
     in_node: int | None = None  # first floating-point tensor input
     out_node: int | None = None  # first floating-point tensor output
+    in_nodes: list[int] = field(default_factory=list)  # every floating-point tensor input
+    out_nodes: list[int] = field(default_factory=list)  # every floating-point tensor output
     inputs: tuple[Any, Any] | None = None  # (args, kwargs), kept only for capture candidates
 
 
@@ -131,6 +159,10 @@ class Graph:
     exact: list[int] = field(default_factory=list)  # root through value-preserving views only
     call: list[int | None] = field(default_factory=list)  # innermost module call
     owner: list[str | None] = field(default_factory=list)  # module owning the parameter read
+    # qualified names of the parameters a node reads or derives from (through views, slices)
+    param_src: list[tuple[str, ...]] = field(default_factory=list)
+    # for an op applying parameters as weights: their qualified names (empty for other ops)
+    weight: list[tuple[str, ...]] = field(default_factory=list)
     shape: list[tuple[int, ...]] = field(default_factory=list)
     adds: list[tuple[int, int, int]] = field(default_factory=list)  # (out, left, right)
     # for each add's output: how many tensor-tensor adds ran before it in its call's extent
@@ -182,10 +214,11 @@ class _Recorder(TorchFunctionMode):
         self.names = {id(m): name for name, m in model.named_modules()}
         self.capture = capture
         self.param_ids = {id(p) for p in model.parameters()}
-        self.owners: dict[int, list[str]] = {}
+        # parameter -> (module path, attribute) of every module holding it (tied ones: several)
+        self.owners: dict[int, list[tuple[str, str]]] = {}
         for name, m in model.named_modules(remove_duplicate=False):
-            for p in m.parameters(recurse=False):
-                self.owners.setdefault(id(p), []).append(name)
+            for attr, p in m.named_parameters(recurse=False):
+                self.owners.setdefault(id(p), []).append((name, attr))
         self.ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.stack: list[int] = []
         self.call_counts: dict[str, int] = {}
@@ -209,6 +242,8 @@ class _Recorder(TorchFunctionMode):
         param_const: bool = False,
         uses_param: bool = False,
         owner: str | None = None,
+        param_src: tuple[str, ...] = (),
+        weight: tuple[str, ...] = (),
     ) -> int:
         g = self.g
         n = len(g.op)
@@ -223,6 +258,8 @@ class _Recorder(TorchFunctionMode):
         g.exact.append(n)
         g.call.append(self.stack[-1] if self.stack else None)
         g.owner.append(owner)
+        g.param_src.append(param_src)
+        g.weight.append(weight)
         g.shape.append(tuple(t.shape))
         self.ids[id(t)] = (weakref.ref(t), n)
         return n
@@ -231,15 +268,32 @@ class _Recorder(TorchFunctionMode):
         n = self._lookup(t)
         if n is None:
             is_param = id(t) in self.param_ids
-            n = self._new(t, "input" if act else "const", act=act, param_const=is_param)
+            n = self._new(
+                t,
+                "input" if act else "const",
+                act=act,
+                param_const=is_param,
+                param_src=self._qualified(t) if is_param else (),
+            )
         return n
 
-    def _owner(self, params: list[torch.Tensor]) -> str | None:
-        names = [name for p in params for name in self.owners.get(id(p), [])]
-        for c in reversed(self.stack):  # prefer the innermost module that owns the parameter
-            if self.g.calls[c].path in names:
-                return self.g.calls[c].path
-        return names[0] if names else None
+    def _qualified(self, p: torch.Tensor) -> tuple[str, ...]:
+        """Every qualified name of the parameter (a tied one has several)."""
+        return tuple(f"{m}.{a}" if m else a for m, a in self.owners.get(id(p), []))
+
+    def _resolve(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """Of the names of the parameters an op read, those of the innermost running module
+        holding one (a tied ``lm_head`` uses its own name), else the first."""
+        for c in reversed(self.stack):
+            path = self.g.calls[c].path
+            held = tuple(q for q in names if q.rpartition(".")[0] == path)
+            if held:
+                return held
+        return names[:1]
+
+    def _owner(self, names: tuple[str, ...]) -> str | None:
+        """The module holding the first of these qualified parameter names."""
+        return names[0].rpartition(".")[0] if names else None
 
     # module hooks ----------------------------------------------------------------------------
     def _pre(self, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -254,17 +308,20 @@ class _Recorder(TorchFunctionMode):
             p = getattr(mod, name, None)
             if isinstance(p, torch.Tensor) and id(p) not in self.param_ids:
                 self.param_ids.add(id(p))
-                self.owners.setdefault(id(p), []).append(path)
+                self.owners.setdefault(id(p), []).append((path, name))
                 n = self._lookup(p)  # a view FSDP1 computed while this mode was on
                 if n is not None:
                     g.param_const[n] = True
+                    g.param_src[n] = (f"{path}.{name}" if path else name,)
         call = Call(path, mod, index, self.stack[-1] if self.stack else None, first_node=len(g.op))
         cid = len(g.calls)
         g.calls.append(call)
         for key, t in iter_tensors((args, kwargs)):
             n = self.node(t, act=is_root)
-            if call.in_node is None and t.is_floating_point():
-                call.in_node = n
+            if t.is_floating_point():
+                call.in_nodes.append(n)
+                if call.in_node is None:
+                    call.in_node = n
             g.boundary.setdefault(n, (len(g.boundary), "pre", cid, key))
         if self.capture(mod) and index == 0:
             call.inputs = (args, kwargs)
@@ -284,8 +341,10 @@ class _Recorder(TorchFunctionMode):
             n = self._lookup(t)
             if n is None:
                 continue
-            if call.out_node is None and t.is_floating_point():
-                call.out_node = n
+            if t.is_floating_point():
+                call.out_nodes.append(n)
+                if call.out_node is None:
+                    call.out_node = n
             g.boundary.setdefault(n, (len(g.boundary), "post", cid, key))
             if not self.stack and t.is_floating_point():
                 g.root_outputs.append((key, n))
@@ -336,12 +395,24 @@ class _Recorder(TorchFunctionMode):
         g = self.g
         act_in = tuple(n for n in in_nodes if g.act[n])
         act = bool(act_in)
-        params = [t for t, n in zip(in_tensors, in_nodes, strict=True) if g.param_const[n]]
+        params = [n for n in in_nodes if g.param_const[n]]
         uses_param = act and bool(params)
-        owner = self._owner(params) if uses_param else None
         param_const = not act and bool(params)
+        sources = tuple(dict.fromkeys(q for n in params for q in g.param_src[n]))
+        weight = self._weights(name, args, kwargs, params) if uses_param else ()
+        owner = self._owner(weight or self._resolve(sources)) if uses_param else None
         for t in outs:
-            n = self._new(t, name, act_in, act, param_const, uses_param, owner)
+            n = self._new(
+                t,
+                name,
+                act_in,
+                act,
+                param_const,
+                uses_param,
+                owner,
+                sources,
+                weight,
+            )
             if act and in_nodes:
                 self._alias(n, name, args, in_tensors, in_nodes)
             if add_operands is not None and act:
@@ -356,6 +427,22 @@ class _Recorder(TorchFunctionMode):
         if name in SDPA_OPS:
             g.sdpa_calls.append(self.stack[-1] if self.stack else None)
         return out
+
+    def _weights(
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], params: list[int]
+    ) -> tuple[str, ...]:
+        """Qualified names of the parameters an op applies as weights (matrices, kernels)."""
+        g = self.g
+        if name in MHA_OPS:
+            index = MHA_OPS[name]
+            w = kwargs.get("out_proj_weight", args[index] if len(args) > index else None)
+            n = self._lookup(w) if isinstance(w, torch.Tensor) else None
+            return self._resolve(g.param_src[n]) if n is not None else ()
+        if name not in WEIGHT_OPS:
+            return ()
+        return self._resolve(
+            tuple(dict.fromkeys(q for n in params if len(g.shape[n]) >= 2 for q in g.param_src[n]))
+        )
 
     def _alias(
         self,
