@@ -2,7 +2,9 @@
 
 `DyT` is Dynamic Tanh (Zhu et al., 2025), a drop-in replacement for a norm layer that computes no
 statistics. `LayerNorm2d`, `RMSNorm2d` and `BatchNormNd` hold the same parameters as their torch
-counterparts (so state_dict keys match) and differ only in which axis they read.
+counterparts (so state_dict keys match) and differ only in which axis they read. `PerHeadLayerNorm`
+and `PerHeadRMSNorm` normalize each head's features with a gain per head and feature (Cohere's
+q_norm).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["BatchNormNd", "DyT", "LayerNorm2d", "RMSNorm2d"]
+__all__ = ["BatchNormNd", "DyT", "LayerNorm2d", "PerHeadLayerNorm", "PerHeadRMSNorm", "RMSNorm2d"]
 
 
 def _channels_last(x: torch.Tensor) -> torch.Tensor:
@@ -103,6 +105,8 @@ class LayerNorm2d(nn.LayerNorm):
     The statistics ConvNeXt's norm computes; ``normalized_shape`` is ``(C,)``.
     """
 
+    data_format = "channels_first"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.layer_norm(_channels_last(x), self.normalized_shape, self.weight, self.bias, self.eps)
         return _channels_first(y)
@@ -111,9 +115,97 @@ class LayerNorm2d(nn.LayerNorm):
 class RMSNorm2d(nn.RMSNorm):
     """RMSNorm over the channels (dim 1) of an ``(N, C, *)`` input, at every position."""
 
+    data_format = "channels_first"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.rms_norm(_channels_last(x), self.normalized_shape, self.weight, self.eps)
         return _channels_first(y)
+
+
+def _affine_shape(
+    normalized: tuple[int, ...], affine_shape: int | tuple[int, ...]
+) -> tuple[int, ...]:
+    shape = (affine_shape,) if isinstance(affine_shape, int) else tuple(affine_shape)
+    if len(shape) < len(normalized) or shape[len(shape) - len(normalized) :] != normalized:
+        raise ValueError(
+            f"affine_shape={shape} must end with normalized_shape={normalized}, e.g. "
+            f"(heads, *normalized_shape)"
+        )
+    return shape
+
+
+class PerHeadLayerNorm(nn.LayerNorm):
+    """LayerNorm over the last dims ``normalized_shape``, with a gain and bias of ``affine_shape``.
+
+    ``affine_shape`` ends with ``normalized_shape``: for ``(heads, head_dim)`` and
+    ``(head_dim,)``, each head's features are normalized on their own and scaled by that head's
+    gain (Cohere's q_norm/k_norm). Inputs end with ``affine_shape``.
+    """
+
+    data_format = "channels_last"
+
+    def __init__(
+        self,
+        normalized_shape: int | tuple[int, ...],
+        affine_shape: int | tuple[int, ...],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, False, False, device=device, dtype=dtype)
+        self.affine_shape = _affine_shape(tuple(self.normalized_shape), affine_shape)
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            ones = torch.ones(self.affine_shape, device=device, dtype=dtype)
+            self.weight = nn.Parameter(ones)
+            if bias:
+                self.bias = nn.Parameter(torch.zeros_like(ones))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+        weight: torch.Tensor | None = self.weight
+        bias: torch.Tensor | None = self.bias
+        if weight is not None and bias is not None:
+            return torch.addcmul(bias, y, weight)
+        return y if weight is None else y * weight
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, affine_shape={self.affine_shape}"
+
+
+class PerHeadRMSNorm(nn.RMSNorm):
+    """RMSNorm over the last dims ``normalized_shape``, with a gain of ``affine_shape``.
+
+    The RMSNorm counterpart of `PerHeadLayerNorm` (a gain per head and feature, statistics over
+    each head's features).
+    """
+
+    data_format = "channels_last"
+
+    def __init__(
+        self,
+        normalized_shape: int | tuple[int, ...],
+        affine_shape: int | tuple[int, ...],
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, False, device=device, dtype=dtype)
+        self.affine_shape = _affine_shape(tuple(self.normalized_shape), affine_shape)
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.affine_shape, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x, self.normalized_shape, None, self.eps)
+        weight: torch.Tensor | None = self.weight
+        return y if weight is None else y * weight
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, affine_shape={self.affine_shape}"
 
 
 class BatchNormNd(_BatchNorm):

@@ -17,10 +17,6 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-# Attention-logit entries at or below this are taken as masked (HF uses finfo.min, older code
-# -1e9 or -10000); no unmasked logit of a working model is that negative.
-MASKED_LOGIT = -1e4
-
 
 def _wide(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
@@ -220,11 +216,11 @@ def logit_stats(logits: torch.Tensor) -> torch.Tensor:
     return torch.stack([x.abs().amax(), rms(x), torch.logsumexp(x, dim=-1).mean()])
 
 
-def masked_abs_max(scores: torch.Tensor) -> torch.Tensor:
-    """max |s| over attention logits, skipping masked entries (-inf or <= MASKED_LOGIT)."""
-    s = scores.detach().float()
-    valid = s > MASKED_LOGIT
-    return torch.where(valid, s.abs(), torch.zeros((), device=s.device)).amax()
+def abs_max(scores: torch.Tensor) -> torch.Tensor:
+    """max |s| over attention logits, as float32 (a max is exact in the logits' own dtype, so
+    no float32 copy of them is made)."""
+    low, high = torch.aminmax(scores.detach())
+    return torch.maximum(high, -low).float()
 
 
 def sdpa_logit_max(
@@ -238,13 +234,16 @@ def sdpa_logit_max(
     """max |q . k| * scale over the logits ``scaled_dot_product_attention`` would compute.
 
     The logits are materialized in float32 a block of query rows at a time, so memory stays
-    near ``chunk_elements`` floats whatever the sequence length. Masked positions are skipped.
-    Grouped-query attention (fewer key heads) is expanded.
+    near ``chunk_elements`` floats whatever the sequence length. Positions a boolean mask or
+    ``is_causal`` excludes are skipped; a float mask is additive, not part of the logits the
+    model forms from q and k, and is ignored. Grouped-query attention (fewer key heads) is
+    expanded.
     """
     q, k = query.detach().float(), key.detach().float()
     if k.ndim >= 3 and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    keep = attn_mask if attn_mask is not None and attn_mask.dtype == torch.bool else None
     t_q, t_k = q.shape[-2], k.shape[-2]
     rows_per_chunk = max(1, chunk_elements // max(1, q[..., :1, :1].numel() * t_k))
     best = torch.zeros((), device=q.device)
@@ -252,19 +251,53 @@ def sdpa_logit_max(
     for start in range(0, t_q, rows_per_chunk):
         stop = min(t_q, start + rows_per_chunk)
         s = q[..., start:stop, :] @ kt  # unscaled: max |s * c| = |c| * max |s|
-        m = None
-        if attn_mask is not None:
-            m = attn_mask[..., start:stop, :] if attn_mask.shape[-2] == t_q else attn_mask
-        if m is not None and m.dtype != torch.bool:  # an additive mask: add it, then skip
-            best = torch.maximum(best, masked_abs_max(s * scale + m.float()))
-            continue
-        if m is not None:
+        if keep is not None:
+            m = keep[..., start:stop, :] if keep.shape[-2] == t_q else keep
             s = s.masked_fill(~m, 0.0)  # 0 never wins a max of |.|
         if is_causal:  # as torch's SDPA: query row r sees keys 0..r (top-left aligned)
             s.tril_(start)
         low, high = torch.aminmax(s)
         best = torch.maximum(best, torch.maximum(high, -low) * abs(scale))
     return best
+
+
+def mha_logit_max(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    num_heads: int,
+    w_q: torch.Tensor,
+    b_q: torch.Tensor | None,
+    w_k: torch.Tensor,
+    b_k: torch.Tensor | None,
+    bias_k: torch.Tensor | None = None,
+    static_k: torch.Tensor | None = None,
+    chunk_elements: int = 1 << 22,
+) -> torch.Tensor:
+    """max |q . k| / sqrt(head_dim) over the logits ``F.multi_head_attention_forward`` forms.
+
+    ``query`` and ``key`` are (sequence, batch, features) or unbatched (sequence, features);
+    q = query w_q^T + b_q and k = key w_k^T + b_k are split into ``num_heads`` heads, with
+    ``bias_k`` appended as one more key, or ``static_k`` (batch * heads, keys, head_dim) taken
+    as the keys. Masks are additive or exclude positions the model still forms logits for: they
+    are ignored. The logits are materialized a block at a time, as in `sdpa_logit_max`.
+    """
+
+    def project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        x = x.detach().float()
+        x = x.unsqueeze(1) if x.ndim == 2 else x
+        return F.linear(x, w.detach().float(), None if b is None else b.detach().float())
+
+    q = project(query, w_q, b_q)
+    head_dim = q.shape[-1] // num_heads
+    q = q.reshape(q.shape[0], q.shape[1], num_heads, head_dim).permute(1, 2, 0, 3)
+    if static_k is not None:
+        k = static_k.detach().float().reshape(q.shape[0], num_heads, -1, head_dim)
+    else:
+        k = project(key, w_k, b_k)
+        if bias_k is not None:
+            k = torch.cat([k, bias_k.detach().float().expand(1, k.shape[1], -1)])
+        k = k.reshape(k.shape[0], k.shape[1], num_heads, head_dim).permute(1, 2, 0, 3)
+    return sdpa_logit_max(q, k, chunk_elements=chunk_elements)
 
 
 def batchnorm_stats(

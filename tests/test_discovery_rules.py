@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -305,7 +306,7 @@ def test_discovery_is_read_only() -> None:
     ids = torch.randint(0, 96, (2, 16))
     rng = torch.get_rng_state()
     normprobe.discover(model, ids)
-    assert calls == []  # the model's own hooks are silent during discovery
+    assert calls == [1]  # the model's own hooks run: a forward may need them
     assert hook_count(model) == hooks
     assert [m.training for m in model.modules()] == modes
     assert torch.equal(torch.get_rng_state(), rng)
@@ -416,3 +417,47 @@ def test_a_block_registered_under_two_names_keeps_its_first_name() -> None:
     assert [a.module for a in m.residual_adds] == ["stack.0", "stack.1", "stack.2"]
     assert [a.stack for a in m.residual_adds] == ["stack"] * 3
     assert [n.path for n in m.norms] == ["stack.0.norm", "stack.1.norm", "stack.2.norm"]
+
+
+class _CollectingEncoder(nn.Module):
+    """Reads, in its own forward, what forward hooks on its blocks collected (as transformers 5
+    collects hidden states), and installs those hooks on its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)]
+        )
+        self.head = nn.Linear(24, 4)
+        self.collected: list[torch.Tensor] | None = None
+        self.installed = False
+
+    def _collect(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if self.collected is not None:
+            self.collected.append(out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.installed:
+            for b in self.blocks:
+                b.register_forward_hook(self._collect)
+            self.installed = True
+        self.collected = []
+        for b in self.blocks:
+            x = x + b(x)
+        states, self.collected = self.collected, None
+        return self.head(torch.cat([states[0], states[1], states[2]], dim=-1))
+
+
+def test_a_forward_that_needs_its_own_hooks_is_discovered_and_keeps_them() -> None:
+    model = _CollectingEncoder()
+    x = torch.randn(2, 5, 8)
+    expected = model(x)
+    hooks = hook_count(model)
+    m = normprobe.discover(model, x)
+    assert [a.writers for a in m.residual_adds] == [(f"blocks.{i}.1",) for i in range(3)]
+    assert hook_count(model) == hooks
+    fresh = _CollectingEncoder()  # hooks installed during discovery's own forward stay
+    fresh.load_state_dict(model.state_dict())
+    normprobe.discover(fresh, x)
+    assert hook_count(fresh) == 3
+    assert torch.equal(fresh(x), expected)

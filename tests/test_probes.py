@@ -118,9 +118,9 @@ def test_sdpa_logit_max_matches_materialized_logits() -> None:
     assert float(probes.sdpa_logit_max(q, k2)) == pytest.approx(float(want))
 
 
-def test_masked_abs_max_skips_masked_entries() -> None:
-    scores = torch.tensor([[1.5, -torch.inf], [-2.5, torch.finfo(torch.float32).min]])
-    assert float(probes.masked_abs_max(scores)) == 2.5
+def test_abs_max_in_float32() -> None:
+    got = probes.abs_max(torch.tensor([[1.5, -3.0], [-2.5, 0.5]], dtype=torch.bfloat16))
+    assert got.dtype == torch.float32 and float(got) == 3.0
 
 
 def test_batchnorm_stats_by_hand() -> None:

@@ -46,7 +46,7 @@ class Expected:
     stacks: dict[str, tuple[int, str]]
     adds_per_stack: dict[str, int]
     residual_adds: int
-    branch_out: dict[str, str]
+    branch_out: dict[str, str | None]
     attention: int
     head: str | None
     projection_adds: int = 0

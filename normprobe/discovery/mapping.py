@@ -31,7 +31,7 @@ from .model_map import (
 )
 from .residual import FoundAdd, find_residual_adds
 from .stacks import FoundStack, executed_stacks, structural_stacks
-from .trace import Graph, Key, trace
+from .trace import MATMUL_OPS, SDPA_OPS, Graph, Key, trace
 
 
 class DiscoveryWarning(UserWarning):
@@ -77,7 +77,7 @@ def discover(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Mod
         id(m) for m in model.modules() if norm_rules.is_probe_candidate(m) or _named_norm(m)
     }
     g: Graph | None = None
-    # behaviour probes call modules too: the model's own hooks stay silent until the end
+    # behaviour probes call modules too: an attached probe's hooks stay silent until the end
     with read_only(model):
         start = time.perf_counter()
         if traced:
@@ -117,39 +117,28 @@ def discover_on_first_forward(
     return handle
 
 
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-)
-
-
 @contextmanager
 def read_only(model: nn.Module, silence_hooks: bool = True) -> Iterator[None]:
-    """No grad, forked RNGs; buffers (BatchNorm statistics), modes and, unless asked to keep
-    them running, the model's own forward hooks (silenced meanwhile) restored on exit.
+    """No grad, forked RNGs; buffers (BatchNorm statistics) and modes restored on exit.
 
-    Hooks of ``torch.distributed`` (FSDP2's unsharding, tensor parallelism) keep running: the
-    forward needs them. FSDP2 modules are resharded on exit, as they were before.
+    The model's own forward hooks run (a forward may need them: transformers collects hidden
+    states with hooks); normprobe's own hooks (an attached probe's) are silenced meanwhile,
+    unless ``silence_hooks`` is False. FSDP2 modules are resharded on exit, as they were before.
     """
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     modes = [(m, m.training) for m in model.modules()]
-    hooks = (
-        [(m, {name: getattr(m, name) for name in _HOOK_DICTS}) for m in model.modules()]
-        if silence_hooks
-        else []
-    )
-    for m, saved in hooks:
-        kept = {
-            key
-            for name in ("_forward_pre_hooks", "_forward_hooks")
-            for key, hook in saved[name].items()
-            if _is_distributed_hook(hook)
-        }
-        for name, value in saved.items():
-            setattr(m, name, type(value)((k, v) for k, v in value.items() if k in kept))
+    # (live hook dict, its key order, normprobe's hooks taken out): edited in place, so hooks
+    # the forward itself installs (transformers' output capturing) stay installed
+    silenced: list[tuple[dict[int, Any], list[int], dict[int, Any]]] = []
+    if silence_hooks:
+        for m in model.modules():
+            for name in ("_forward_pre_hooks", "_forward_hooks"):
+                live = getattr(m, name)
+                ours = {k: h for k, h in live.items() if _is_normprobe_hook(h)}
+                if ours:
+                    silenced.append((live, list(live), ours))
+                    for k in ours:
+                        del live[k]
     cuda = sorted(
         {t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.is_cuda}
     )
@@ -162,14 +151,16 @@ def read_only(model: nn.Module, silence_hooks: bool = True) -> Iterator[None]:
                 b.copy_(value)
         for m, mode in modes:
             m.training = mode
-        for m, saved in hooks:
-            for name, value in saved.items():
-                setattr(m, name, value)
+        for live, order, ours in silenced:
+            rank = {k: i for i, k in enumerate(order)}
+            items = sorted({**live, **ours}.items(), key=lambda kv: rank.get(kv[0], len(rank)))
+            live.clear()
+            live.update(items)
         _reshard(model)
 
 
-def _is_distributed_hook(hook: Any) -> bool:
-    return str(getattr(hook, "__module__", None)).startswith("torch.distributed.")
+def _is_normprobe_hook(hook: Any) -> bool:
+    return str(getattr(hook, "__module__", None)).startswith("normprobe.")
 
 
 def _reshard(model: nn.Module) -> None:
@@ -192,6 +183,7 @@ class _Builder:
         self.notes: list[str] = []
         self._seen_at: dict[int, list[tuple[int, tuple[int, str, int, Key]]]] | None = None
         self.weight_layers: set[str] = set()
+        self._consumers: dict[int, list[int]] | None = None  # node -> nodes reading it
 
     def build(self) -> ModelMap:
         g = self.g
@@ -199,14 +191,7 @@ class _Builder:
         self.adds = adds
         if g is not None:
             self.weight_layers = {o for n, o in enumerate(g.owner) if g.weight[n] and o is not None}
-            touched = [
-                {g.calls[a.call].path, *(g.owner[n] or "" for n in a.writes.writers)} for a in adds
-            ]
-            stacks = executed_stacks(
-                structural_stacks(self.model),
-                g,
-                lambda block: any(_within(p, block) for paths in touched for p in paths),
-            )
+            stacks = executed_stacks(structural_stacks(self.model), g, self._holds_add)
         else:  # without a forward only the module tree shows: containers of one class
             stacks = [s for s in structural_stacks(self.model) if s.generic]
         self.stacks = stacks
@@ -256,7 +241,7 @@ class _Builder:
     # norms ---------------------------------------------------------------------------------
     def _norms(self) -> dict[str, dict[str, Any]]:
         g = self.g
-        cache: dict[tuple[type, float | None, int], norm_rules.Behaviour | None] = {}
+        cache: dict[tuple[type, float | None, tuple[int, ...]], norm_rules.Behaviour | None] = {}
         found: dict[str, dict[str, Any]] = {}
         for path, m in self.model.named_modules():
             kind = norm_rules.torch_kind(m)
@@ -269,7 +254,7 @@ class _Builder:
             if g is not None and call is not None and g.calls[call].inputs is not None:
                 args, kwargs = g.calls[call].inputs  # type: ignore[misc]
                 if not exact_torch or (kind is None and named is not None):
-                    key = (type(m), eps, _ndim(args, kwargs))
+                    key = (type(m), eps, _shape(args, kwargs))
                     if key not in cache:
                         cache[key] = norm_rules.probe(m, args, kwargs, eps)
                     behaviour, probed = cache[key], True
@@ -333,6 +318,22 @@ class _Builder:
         named = [c.__name__ for c in type(m).__mro__]
         return 1.0 if any(_GEMMA_GAIN.match(n) for n in named) else 0.0
 
+    def _holds_add(self, block: str) -> bool:
+        """Whether a residual add happens inside ``block``, or wraps exactly it (the stream
+        enters the block and every writer is inside: ``x = x + block(x)`` in a parent's loop)."""
+        g = self.g
+        assert g is not None
+        calls = [c for c in g.calls if c.path == block]
+        inputs = {g.alias[n] for c in calls for n in c.in_nodes}
+        for a in self.adds:
+            if _within(g.calls[a.call].path, block):
+                return True
+            writers = [g.owner[n] or "" for n in a.writes.writers]
+            inside = bool(writers) and all(_within(w, block) for w in writers)
+            if inside and g.alias[a.stream] in inputs:
+                return True
+        return False
+
     # roles -----------------------------------------------------------------------------------
     def _roles(
         self,
@@ -362,16 +363,24 @@ class _Builder:
         sum_of = {a.out: i for i, a in enumerate(adds)}
         # pre norms first: sandwich-post needs to know whether the branch has one. A pre norm
         # reads the stream an add's branch reads and feeds that branch; in front of a
-        # projection shortcut its output may be what both sides read.
+        # projection shortcut, in the add's own block, its output may be what both sides read.
         for path, (inp, out) in io.items():
-            for i in stream_of.get(inp, []) + stream_of.get(g.alias[out], []):
+            reading = [i for i, a in enumerate(adds) if out in a.region]
+            for i in stream_of.get(inp, []) + stream_of.get(g.alias[out], []) + reading:
                 a = adds[i]
-                fork = a.kind == "projection" and g.alias[out] == g.alias[a.stream]
-                if fork or (inp == g.alias[a.stream] and out in a.region):
+                fork = (
+                    a.kind == "projection"
+                    and g.alias[out] == g.alias[a.stream]
+                    and self._where(path) == self._where_add(i)
+                )
+                # it reads the stream itself, or with other tokens joined to it (class attention)
+                reads = inp == g.alias[a.stream] or _plain_path(g, g.alias[a.stream], inp)
+                if fork or (out in a.region and reads):
                     roles[path] = "pre"
                     add_norms.setdefault(i, {})["pre_norm"] = path
                     break
         readers = {inp: path for path, (inp, _) in io.items() if path not in roles}
+        scores_from = _feeding_scores(g)
         in_branch = set().union(*(a.region for a in adds)) if adds else set()
         for path, (inp, out) in io.items():
             if path in roles:
@@ -387,7 +396,7 @@ class _Builder:
                 roles[path] = role
                 if role == "post":
                     add_norms.setdefault(sum_of[inp], {})["post_norm"] = path
-            elif any(path.startswith(att + ".") for att in attention):
+            elif out in scores_from:
                 roles[path] = "qk"
             elif self._follows_stack(path, inp):
                 roles[path] = "final"
@@ -395,11 +404,18 @@ class _Builder:
                 roles[path] = "branch"
         return roles, add_norms
 
+    def _where_add(self, i: int) -> dict[str, Any]:
+        stack, block = self.add_where[i]
+        return {"stack": stack, "block": block}
+
     def _after_sum(self, norm: str, i: int, readers: dict[int, str]) -> NormRole | None:
-        """The role of a norm reading add ``i``'s sum: ``post`` wherever it sits, except after
+        """The role of a norm reading add ``i``'s sum, when nothing else reads it (else the
+        stream goes on around the norm): ``post`` wherever it sits, except after
         a stack's last add when the same add of the other blocks has no norm on its sum: then
-        it closes the stack (``final``) if it sits in the blocks around the stack, and belongs
+        it closes the stack (``final``) if it sits in no block the stack is not in, and belongs
         to what follows (a downsample) otherwise."""
+        if self._bypassed(self.adds[i].out, norm):
+            return None  # the stream goes on around the norm: it does not normalize the sum
         stack, block = self.add_where[i]
         if stack is None or self._inside(norm, stack):
             return "post"
@@ -415,7 +431,29 @@ class _Builder:
                 following += 1
         if others and following == len(others):
             return "post"
-        return "final" if self._around(norm) == self._around_stack(stack) else None
+        return "final" if self._around(norm) <= self._around_stack(stack) else None
+
+    def _bypassed(self, total: int, norm: str) -> bool:
+        """Whether something besides the norm at ``norm`` reads the sum ``total`` (or a view of
+        it): then the stream continues around the norm."""
+        g = self.g
+        assert g is not None
+        if self._consumers is None:
+            self._consumers = {}
+            for n, inputs in enumerate(g.inputs):
+                for i in inputs:
+                    self._consumers.setdefault(i, []).append(n)
+        call = g.calls[self.first_call[norm]]
+        todo, seen = [total], {total}
+        while todo:
+            for c in self._consumers.get(todo.pop(), []):
+                if call.first_node <= c < call.end_node or c in seen:
+                    continue
+                if g.alias[c] != g.alias[total]:
+                    return True
+                seen.add(c)
+                todo.append(c)
+        return False
 
     def _around(self, path: str) -> set[tuple[str, int | None]]:
         """The blocks (stack, index) holding ``path``."""
@@ -425,7 +463,8 @@ class _Builder:
         return {b for b in self._around(self._stack_blocks(stack)[0]) if b[0] != stack}
 
     def _follows_stack(self, norm: str, inp: int) -> bool:
-        """A norm downstream of a stack's last sum, in the same enclosing blocks as the stack."""
+        """A norm downstream of a stack's last sum with no weight op between (a pooled stream,
+        not a head's conv), in no block the stack is not in."""
         g = self.g
         assert g is not None
         last: dict[str, int] = {}
@@ -434,11 +473,7 @@ class _Builder:
                 last[stack] = max(last.get(stack, -1), a.out)
         outer = self._around(norm)
         for stack, end in last.items():
-            if (
-                outer == self._around_stack(stack)
-                and inp >= end
-                and end in g.region(inp, end - 1)[0]
-            ):
+            if outer <= self._around_stack(stack) and inp >= end and _plain_path(g, end, inp):
                 return True
         return False
 
@@ -621,6 +656,40 @@ class _Builder:
             )
 
 
+def _feeding_scores(g: Graph) -> set[int]:
+    """Nodes that reach an attention score (q·k) without passing a weight op: a norm there
+    normalizes queries or keys."""
+    todo = [
+        i
+        for n, op in enumerate(g.op)
+        if op in SDPA_OPS or (op in MATMUL_OPS and not g.weight[n] and len(g.inputs[n]) >= 2)
+        for i in g.inputs[n]
+    ]
+    seen: set[int] = set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if not g.weight[n]:
+            todo.extend(g.inputs[n])
+    return seen
+
+
+def _plain_path(g: Graph, start: int, end: int) -> bool:
+    """Whether node ``end`` derives from ``start`` on a path through no weight op."""
+    todo, seen = [end], set()
+    while todo:
+        n = todo.pop()
+        if n == start:
+            return True
+        if n < start or n in seen or g.weight[n]:
+            continue
+        seen.add(n)
+        todo.extend(g.inputs[n])
+    return False
+
+
 def _within(path: str, block: str) -> bool:
     return path == block or path.startswith(block + ".")
 
@@ -639,6 +708,6 @@ def _eps_placement(
     return "inside-sqrt" if norm_rules.torch_kind(m) is not None else "unknown"
 
 
-def _ndim(args: Any, kwargs: Any) -> int:
+def _shape(args: Any, kwargs: Any) -> tuple[int, ...]:
     found = norm_rules._first_float_input(args, kwargs)
-    return found[1].ndim if found else -1
+    return tuple(found[1].shape) if found else ()

@@ -32,8 +32,9 @@ TORCH_KINDS: tuple[tuple[type[nn.Module], NormKind], ...] = (
     (nn.LocalResponseNorm, "unknown"),
     (nn.CrossMapLRN2d, "unknown"),
 )
-# A class (or a base class) named like a norm: LayerNorm, RmsNorm, LayerNorm2d, BatchNormAct2d...
-NAME_PATTERN = re.compile(r"(?i)norm(\d?d)?(act)?(\d?d)?(fp32|nobias|gated|1p)?$")
+# A class (or a base class) named like a norm: LayerNorm, RmsNorm, LayerNorm2d, BatchNormAct2d,
+# a global response norm (GRN)
+NAME_PATTERN = re.compile(r"(?i)(norm|grn)(\d?d)?(act)?(\d?d)?(fp32|nobias|gated|1p)?$")
 # Names that say the wrong thing about what the class computes.
 MISLEADING_NAMES: dict[str, NormKind] = {"T5LayerNorm": "rmsnorm", "MT5LayerNorm": "rmsnorm"}
 EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "eps_")
@@ -143,8 +144,8 @@ def declared_layout(module: nn.Module) -> str:
     """The statistics layout the module itself declares, without running it; ``""`` if none.
 
     A ``data_format`` attribute (``"channels_first"``/``"channels_last"``: Hugging Face's
-    ConvNeXt LayerNorm, normprobe's own layers), timm's norm classes, or a torch norm class
-    whose forward is torch's own.
+    ConvNeXt LayerNorm, normprobe's own layers), timm's norm classes, a torch norm class whose
+    forward is torch's own, or a subclass of a torch group or batch norm.
     """
     fmt = getattr(module, "data_format", None)
     if fmt in ("channels_first", "channels_last"):
@@ -154,8 +155,8 @@ def declared_layout(module: nn.Module) -> str:
         classes = tuple(c for n in names if isinstance(c := getattr(timm_norm, n, None), type))
         if classes and isinstance(module, classes):
             return layout
-    if _runs_torch_forward(module):
-        return torch_layout(module)
+    if _runs_torch_forward(module) or isinstance(module, nn.GroupNorm | _NormBase):
+        return _class_layout(module)  # a group or batch norm's own attributes say its layout
     return ""
 
 
@@ -164,6 +165,10 @@ def torch_layout(module: nn.Module) -> str:
     declares (`declared_layout`)."""
     if not type(module).__module__.startswith("torch.") and not _runs_torch_forward(module):
         return declared_layout(module)
+    return _class_layout(module)
+
+
+def _class_layout(module: nn.Module) -> str:
     if isinstance(module, nn.modules.instancenorm._InstanceNorm):
         return "spatial"
     if isinstance(module, _NormBase):

@@ -9,9 +9,9 @@ An add ``a + b`` of two activations of the same shape is residual when
   ``x + 0.044715 x**3`` and the ``+ x`` of a global response norm, whose branch holds only
   elementwise parameters; or
 * ``projection``: neither is an ancestor of the other, both descend from a common input of the
-  enclosing module call, both sides apply weights, and one side runs inside a single child
-  module and is shallower than the other (ResNet's downsample; this excludes GPT-NeoX's
-  ``attn_out + mlp_out`` and sums of parallel experts).
+  enclosing module call, and one side is a single child module applying one weight (ResNet's
+  downsample) while the other applies more; this excludes GPT-NeoX's ``attn_out + mlp_out``
+  and sums of experts.
 
 A further branch added onto a residual sum, reading the stream that sum's skip came from
 (Cohere's ``x + attn + mlp``), joins that add: one add, several branches. Ancestry runs through
@@ -111,8 +111,8 @@ def _join(
     if add is None or add.kind != "identity":
         return None
     hit = _identity(g, add.skip, other)
-    if hit is None:
-        return None
+    if hit is None or g.alias[total] in hit[3]:
+        return None  # no further branch: it reads the sum (the next block's branch does)
     add.out = out
     add.branches.append(other)
     add.region |= hit[2]
@@ -144,13 +144,14 @@ def _projection(g: Graph, a: int, b: int, cid: int) -> tuple[int, int, set[int],
     only_b = reg_b - reg_a
     if not any(g.weight[n] for n in only_a) or not any(g.weight[n] for n in only_b):
         return None
-    # The shortcut is one child module (the downsample) and shallower than the branch; parallel
-    # branches of equal depth (experts, GPT-NeoX's attn_out + mlp_out) are not a skip.
+    # The shortcut is one child module (the downsample) with one weight op, and the branch is
+    # deeper; parallel branches (experts, GPT-NeoX's attn_out + mlp_out, a shared expert
+    # beside routed ones) are not a skip.
     fork = max(shared)
     depth_a, depth_b = _depth(g, only_a), _depth(g, only_b)
-    if depth_a < depth_b and _single_child(g, only_a, cid):
+    if depth_a == 1 < depth_b and _single_child(g, only_a, cid):
         return a, b, only_b, fork
-    if depth_b < depth_a and _single_child(g, only_b, cid):
+    if depth_b == 1 < depth_a and _single_child(g, only_b, cid):
         return b, a, only_a, fork
     return None
 
@@ -225,7 +226,7 @@ class _Walk:
             result = {n} if mode == "value" else set()
             self.seen[key] = result
             return result
-        acts = [i for i in g.inputs[n] if g.act[i]]
+        acts = [i for i in g.inputs[n] if g.act[i] and g.floating[i]]  # not index tensors
         found: set[int] = set()
         if g.op[n] in SCALE_OPS and len(acts) == 2 and mode != "gate":
             gate = self._gate_side(n, acts)

@@ -34,8 +34,8 @@ def structural_stacks(model: nn.Module) -> list[FoundStack]:
     """Runs of two or more consecutive parameterized children of one class, in any container.
 
     A run covering every parameterized child of its container takes the container's path;
-    otherwise it is named ``container[first..last]``. Children that are themselves generic
-    containers must also share their structure.
+    otherwise it is named ``container[first..last]``. Generic containers as blocks must share
+    their structure unless they are all their container holds (then they must show adds).
     """
     found = []
     for path, m in model.named_modules():
@@ -52,13 +52,16 @@ def structural_stacks(model: nn.Module) -> list[FoundStack]:
         for run in runs:
             if len(run) < 2:
                 continue
+            trusted = uniform
             if isinstance(run[0][1], _GENERIC) and len({_signature(c) for _, c in run}) != 1:
-                continue
+                if not uniform:
+                    continue  # stages and downsamples side by side in one Sequential
+                trusted = False  # stages of different blocks (EfficientNet): must show adds
             if not uniform and not any(True for _ in run[0][1].children()):
                 continue  # two leaf layers of a block (fc1, fc2) are not a depth axis
             name = path if len(run) == len(kids) else f"{path}[{run[0][0]}..{run[-1][0]}]"
             blocks = [_join(path, n) for n, _ in run]
-            found.append(FoundStack(name, blocks, type(run[0][1]).__name__, uniform))
+            found.append(FoundStack(name, blocks, type(run[0][1]).__name__, trusted))
     return found
 
 
@@ -69,8 +72,9 @@ def executed_stacks(
     every module run several times in a chain; sorted by when their first block ran.
 
     Blocks are put in execution order; expert lists and parallel heads, whose members all read
-    the same input, are dropped. Blocks held by a plain module, and repeated modules, must
-    perform residual adds (``has_adds(path)``): two chained layers of a block are no depth axis.
+    the same input, are dropped. Blocks held by a plain module or a mixed container must
+    perform residual adds (``has_adds(path)``, some of them), and so must repeated modules:
+    two chained layers of a block are no depth axis.
     """
     first_call: dict[str, int] = {}
     calls_of: dict[str, list[int]] = {}
@@ -84,7 +88,7 @@ def executed_stacks(
             _feeds(g, ran[i][0], ran[i + 1][0]) for i in range(len(ran) - 1)
         ):
             continue
-        if not cand.generic and not all(has_adds(b) for _, b in ran):
+        if not cand.generic and not any(has_adds(b) for _, b in ran):
             continue
         blocks = [b for _, b in ran]
         kept.append((ran[0][0], FoundStack(cand.path, blocks, cand.block_type, cand.generic)))

@@ -75,6 +75,24 @@ WEIGHT_OPS = frozenset(
 # nn.MultiheadAttention's functional forms: what they write comes through ``out_proj_weight``.
 MHA_OPS = {"multi_head_attention_forward": 11, "_native_multi_head_attention": 7}
 SOFTMAX_OPS = frozenset({"softmax", "_softmax"})
+# Ops whose output takes only the shape (and dtype) of their input, none of its values.
+SHAPE_ONLY_OPS = frozenset(
+    {
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_zeros",
+        "new_ones",
+        "new_empty",
+        "new_full",
+    }
+)
+# A parameter broadcast over the batch by these (a class token) starts a stream of its own.
+BROADCAST_OPS = frozenset({"expand", "expand_as", "repeat", "tile", "broadcast_to"})
 SDPA_OPS = frozenset({"scaled_dot_product_attention"})
 # Tensor methods that do no computation worth recording.
 _IGNORED = frozenset(
@@ -164,6 +182,7 @@ class Graph:
     # for an op applying parameters as weights: their qualified names (empty for other ops)
     weight: list[tuple[str, ...]] = field(default_factory=list)
     shape: list[tuple[int, ...]] = field(default_factory=list)
+    floating: list[bool] = field(default_factory=list)  # holds floating-point values
     adds: list[tuple[int, int, int]] = field(default_factory=list)  # (out, left, right)
     # for each add's output: how many tensor-tensor adds ran before it in its call's extent
     add_order: dict[int, int] = field(default_factory=dict)
@@ -261,6 +280,7 @@ class _Recorder(TorchFunctionMode):
         g.param_src.append(param_src)
         g.weight.append(weight)
         g.shape.append(tuple(t.shape))
+        g.floating.append(t.is_floating_point())
         self.ids[id(t)] = (weakref.ref(t), n)
         return n
 
@@ -394,8 +414,16 @@ class _Recorder(TorchFunctionMode):
             return out
         g = self.g
         act_in = tuple(n for n in in_nodes if g.act[n])
-        act = bool(act_in)
         params = [n for n in in_nodes if g.param_const[n]]
+        if name in SHAPE_ONLY_OPS:
+            act_in, params = (), []
+        if params and act_in and all(not g.floating[n] and _numel(g.shape[n]) <= 1 for n in act_in):
+            act_in = ()  # one slice of a parameter picked by a computed index: an expert's weight
+        if name in BROADCAST_OPS and not act_in and params and self.stack:
+            params = []  # a learned token: an activation from here on
+            act = True
+        else:
+            act = bool(act_in)
         uses_param = act and bool(params)
         param_const = not act and bool(params)
         sources = tuple(dict.fromkeys(q for n in params for q in g.param_src[n]))
@@ -464,6 +492,13 @@ class _Recorder(TorchFunctionMode):
                 src, value = factor
                 value = 1.0 / value if name.startswith(("div", "__truediv__")) else value
                 g.alias[n], g.alias_parent[n], g.factor[n] = g.alias[src], src, value
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
 
 
 def _scalar_factor(
