@@ -489,7 +489,9 @@ class _Context:
         return [
             s
             for s in self.model_map.stacks
-            if s.placement in placements and s.parent is None and self.model_map.adds_in(s.path)
+            if s.norm_placement in placements
+            and s.parent is None
+            and self.model_map.adds_in(s.path)
         ]
 
 
@@ -840,12 +842,13 @@ def _check_residual_scaling(ctx: _Context) -> CheckResult:
     for s in ctx.add_stacks(("pre-ln",)):
         if s.depth < GPT2_MIN_DEPTH:
             continue
-        writes, others = [], []
+        writes: list[str] = []
+        others: list[str] = []
         for a in ctx.model_map.adds_in(s.path):
-            if a.branch_out is None or len(a.branch_layers) < 2:
+            if not a.writers or len(a.branch_layers) < 2:
                 continue
-            writes.append(a.branch_out)
-            others += [p for p in a.branch_layers if p != a.branch_out]
+            writes += a.writers
+            others += [p for p in a.branch_layers if p not in a.writers and p not in a.gates]
         if not writes:
             continue
         seen = True

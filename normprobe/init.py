@@ -134,7 +134,7 @@ class BranchScale(_Wrapper):
 class FixupScalars(_Wrapper):
     """``inner(x + bias_in) (* scale) + bias_out``: Fixup's scalar biases and multiplier.
 
-    ``scale`` exists only on the last layer of a branch (``last=True``).
+    ``scale`` exists only on a branch's writers (``last=True``).
     """
 
     def __init__(self, inner: nn.Module, last: bool) -> None:
@@ -298,7 +298,7 @@ class _Target:
             p
             for a in m.residual_adds
             for p in a.branch_layers
-            if p not in modules or not _is_weight_layer(modules[p])
+            if p not in modules or not (_is_weight_layer(modules[p]) or p in m.weight_layers)
         ]
         stale += [
             n.path
@@ -333,12 +333,15 @@ class _Target:
         return self.model.get_submodule(path)
 
     def weight_layers(self, embeddings: bool = True) -> list[tuple[str, nn.Module]]:
+        """Leaf layers holding a matrix or kernel, and every module the traced forward applied
+        a weight of (fused experts, whose module also holds an activation)."""
         norms = {n.path for n in self.map.norms}
+        used = set(self.map.weight_layers)
         return [
             (path, m)
             for path, m in self.model.named_modules()
             if path not in norms
-            and _is_weight_layer(m)
+            and (_is_weight_layer(m) or path in used)
             and (embeddings or not isinstance(m, nn.Embedding | nn.EmbeddingBag))
         ]
 
@@ -423,36 +426,52 @@ def _parent_wrapper(model: nn.Module, path: str) -> nn.Module | None:
     return parent if isinstance(parent, _Wrapper) and path.endswith(".inner") else None
 
 
-def _branch_ends(t: _Target, adds: Sequence[ResidualAdd]) -> dict[int, str]:
-    """For each add (by index), the last module on its branch: its last weight layer, or the norm
-    that follows that layer on the branch (a sandwich norm, ResNet's BatchNorm after conv2)."""
+def _placeable(t: _Target, a: ResidualAdd) -> None:
+    """Refuse a branch whose writers do not carry all it adds to the stream."""
+    where = f"the residual add {a.module or '<root>'}#{a.ordinal}"
+    if not a.writers:
+        raise ValueError(
+            f"{t.what}: {where} has no weight layer writing into the stream (only gates "
+            f"{list(a.gates)}), so there is no layer to scale; leave it out with a model_map "
+            "that drops this add, or scale that branch yourself"
+        )
+    if a.open_path:
+        raise ValueError(
+            f"{t.what}: a path of the branch of {where} reaches the add without passing a weight "
+            f"layer, so scaling its writers {list(a.writers)} would not scale all it adds; "
+            "scale that branch yourself"
+        )
+
+
+def _branch_ends(t: _Target, adds: Sequence[ResidualAdd]) -> dict[int, list[str]]:
+    """For each add (by index), the last module on each path of its branch: each writer, or the
+    norm that follows it on the branch (a sandwich norm, ResNet's BatchNorm after conv2)."""
     norms = {n.path: n for n in t.map.norms}
-    ends: dict[int, str] = {}
+    ends: dict[int, list[str]] = {}
     pending: list[int] = []
     for i, a in enumerate(adds):
-        if a.branch_out is None:
-            continue
+        _placeable(t, a)
         if a.sandwich_norm is not None:
-            ends[i] = a.sandwich_norm
+            ends[i] = [a.sandwich_norm]
         elif any(n.role == "branch" for n in norms.values()):
             pending.append(i)
         else:
-            ends[i] = a.branch_out
+            ends[i] = list(a.writers)
     if pending:
         watched = {p for p, _ in t.weight_layers()} | {
             p for p, n in norms.items() if n.role == "branch"
         }
         order = t.call_order(watched)
         for i in pending:
-            out = adds[i].branch_out
-            assert out is not None
-            end = out
-            if out in order:
-                for path in order[order.index(out) + 1 :]:
-                    if path not in norms:
-                        break
-                    end = path
-            ends[i] = end
+            ends[i] = []
+            for out in adds[i].writers:
+                end = out
+                if out in order:
+                    for path in order[order.index(out) + 1 :]:
+                        if path not in norms:
+                            break
+                        end = path
+                ends[i].append(end)
     return ends
 
 
@@ -501,14 +520,16 @@ def reinit(
 
     Schemes and their options:
 
-    * ``gpt2`` (``std=0.02``, ``n_layers=None``): every weight N(0, std); each residual branch's
-      last layer (the one writing into the stream) N(0, std/sqrt(2N)), N the blocks of its stack
-      (or ``n_layers``); biases 0; norm gains 1 and biases 0.
+    * ``gpt2`` (``std=0.02``, ``n_layers=None``): every weight N(0, std); every weight that
+      writes into the residual stream (each add's ``writer_params``: both projections of a
+      parallel block, every expert's down projection) N(0, std/sqrt(2N)), N the blocks of its
+      stack, or the runs of a repeated block (or ``n_layers``); biases 0; norm gains 1 and
+      biases 0.
     * ``fixup`` (``mode="fan_out"``): Zhang et al. 2019. L residual branches, m weight layers on
-      a branch: the last layer 0, the others He-normal times L^(-1/(2m-2)); projection shortcuts
-      plain He; the head 0 (unless tied to another weight). Wraps every branch layer in
-      `FixupScalars` (scalar biases at 0, a multiplier at 1 on the last layer): a new
-      optimizer is needed to train those.
+      a branch: its writers (the last layer on each path) 0, the others He-normal times
+      L^(-1/(2m-2)); projection shortcuts plain He; the head 0 (unless tied to another
+      weight). Wraps every branch layer in `FixupScalars` (scalar biases at 0, a multiplier at
+      1 on each writer): a new optimizer is needed to train those.
     * ``deepnorm`` (``n_layers=None``, ``alpha=None``, ``beta=None``): Wang et al. 2022, for
       Post-LN stacks. Feed-forward layers, value projections (the value slice of a fused QKV
       layer) and output projections Xavier-normal with gain beta = (8N)^(-1/4), queries and keys
@@ -593,17 +614,32 @@ def _gain_for(nonlinearity: str, a: float = 0.0) -> float:
 def _scheme_gpt2(t: _Target, *, std: Any, n_layers: Any) -> None:
     std = _positive("std (sigma)", std)
     n = _count("n_layers", n_layers)
-    # the layers writing into the residual stream get std/sqrt(2N), per the GPT-2 paper
-    writers = {a.branch_out: (n or t.depth(a)) for a in t.adds() if a.branch_out is not None}
+    # the weights writing into the residual stream get std/sqrt(2N), per the GPT-2 paper
+    adds = t.adds()
+    writers = {q: (n or t.depth(a)) for a in adds for q in a.writer_params}
+    for a in adds:
+        if not a.writers or a.open_path:
+            warnings.warn(
+                f"{t.what}: the branch of the residual add {a.module or '<root>'}#{a.ordinal} "
+                + (
+                    "has no weight layer writing into the stream"
+                    if not a.writers
+                    else "reaches the add on a path without a weight layer"
+                )
+                + "; what it adds keeps std, not std/sqrt(2N)",
+                UserWarning,
+                stacklevel=4,
+            )
     seen: set[int] = set()
     with torch.no_grad():
         for path, m in t.weight_layers():
-            for _, p in _direct(m):
+            for name, p in _direct(m):
                 if id(p) in seen:
                     continue  # a tied weight (lm_head = wte) is initialized once
                 seen.add(id(p))
                 if p.ndim >= 2:
-                    scale = math.sqrt(2 * writers[path]) if path in writers else 1.0
+                    qualified = f"{path}.{name}" if path else name
+                    scale = math.sqrt(2 * writers[qualified]) if qualified in writers else 1.0
                     nn.init.normal_(p, 0.0, std / scale)
                 else:
                     nn.init.zeros_(p)
@@ -640,7 +676,7 @@ def _scheme_xavier(t: _Target, *, gain: Any, nonlinearity: Any, distribution: An
 def _scheme_zero_branch(t: _Target) -> None:
     adds = t.adds()
     norms = {n.path: n for n in t.map.norms}
-    for path in set(_branch_ends(t, adds).values()):
+    for path in {end for ends in _branch_ends(t, adds).values() for end in ends}:
         if path in norms:
             _set_norm(t.module(path), norms[path], gain=0.0)
         else:
@@ -659,9 +695,9 @@ def _scheme_fixup(t: _Target, *, mode: Any) -> None:
             layers = [p for p in a.branch_layers if not isinstance(t.module(p), nn.Embedding)]
             on_branches.update(layers)
             m = len(layers)
-            for i, path in enumerate(layers):
+            for path in layers:
                 layer = t.module(path)
-                last = i == m - 1
+                last = path in a.writers  # the last layer on each path of the branch
                 plan.append((path, last))
                 for _, p in _direct(layer):
                     if last or p.ndim < 2:
@@ -765,7 +801,7 @@ def _scheme_deepnorm(t: _Target, *, n_layers: Any, alpha: Any, beta: Any) -> Non
             in_attention = [
                 p
                 for p in layers
-                if p != a.branch_out and any(p == q or p.startswith(q + ".") for q in attention)
+                if p not in a.writers and any(p == q or p.startswith(q + ".") for q in attention)
             ]
             value_slices = values.find(a, in_attention) if in_attention else {}
             for path in layers:
@@ -779,8 +815,7 @@ def _scheme_deepnorm(t: _Target, *, n_layers: Any, alpha: Any, beta: Any) -> Non
                         nn.init.xavier_normal_(out_in_view(layer, p), gain=1.0)  # query, key
                     else:
                         nn.init.xavier_normal_(out_in_view(layer, p), gain=beta_i)
-            if i in ends:
-                scalers.append((ends[i], a.skip_scale / alpha_i))
+            scalers += [(end, a.skip_scale / alpha_i) for end in ends.get(i, [])]
     _set_fixed_scalers(t, scalers, "deepnorm")
 
 
@@ -819,10 +854,10 @@ class _ValueProbe:
                 todo.append(path)
         if todo:
             self.t.require_inputs("tell value projections from query/key projections")
-            assert add.branch_out is not None
-            base = self._read(add.branch_out, None, None)
+            out = self._writer_after(add, todo)
+            base = self._read(out, None, None)
             for path in todo:
-                parts = self._probe(add.branch_out, path, base)
+                parts = self._probe(out, path, base)
                 found[path] = parts
                 key = self._key(add, path)
                 if key is not None:
@@ -831,10 +866,19 @@ class _ValueProbe:
             raise ValueError(
                 f"deepnorm could not find the value projection among {candidates} (doubling "
                 "none of them, nor any third of a fused q|k|v output, doubled the attention "
-                f"output read at {add.branch_out!r}); pass beta=1.0 to skip the value scaling, "
+                f"output read at {list(add.writers)}); pass beta=1.0 to skip the value scaling, "
                 "or re-initialize those layers yourself"
             )
         return {p: v for p, v in found.items() if v}
+
+    def _writer_after(self, add: ResidualAdd, candidates: list[str]) -> str:
+        """The writer the attention's projections feed: the one sharing their module (the
+        attention of a parallel block), else the last."""
+        for w in add.writers:
+            parent = w.rpartition(".")[0]
+            if any(c.startswith(parent + ".") for c in candidates):
+                return w
+        return add.writers[-1]
 
     def _key(self, add: ResidualAdd, path: str) -> tuple[type, str] | None:
         if add.stack is None or add.block is None:
@@ -1027,7 +1071,7 @@ def insert_branch_scale(
     adds = t.adds()
     ends = _branch_ends(t, adds)
     swaps: dict[str, BranchScale] = {}
-    for i, path in ends.items():
+    for i, path in ((i, path) for i, paths in ends.items() for path in paths):
         if path in swaps:
             continue
         if init == "cait":

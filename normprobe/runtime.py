@@ -461,7 +461,8 @@ class Probe:
         self._param_block: list[int] = []
         self._stack_blocks: dict[str, slice] = {}  # each stack's blocks in that numbering
         self._blocks = 0
-        for s in model_map.stacks:
+        # a repeated block (one module run N times) has one set of weights: no per-block value
+        for s in (s for s in model_map.stacks if not s.repeated):
             for block in s.blocks:
                 params = list(modules[block].parameters())
                 self._params += params
@@ -1041,7 +1042,7 @@ class Probe:
             entries.append((("logits_z",), 1, "mean"))
         if "attn_logits" in chosen:
             entries += [(("attn_logit_max", a.path), 1, "max") for a in self._attention]
-        for s in model_map.stacks:
+        for s in (s for s in model_map.stacks if not s.repeated):
             if "grad_norm" in chosen:
                 entries.append((("grad_sq", s.path), s.depth, self.param_reduce))
             if "update_ratio" in chosen:
@@ -1165,6 +1166,7 @@ class Probe:
         blocks = {
             block: f"{self._name(s.path)}/{b:0{len(str(s.depth - 1))}d}"
             for s in model_map.stacks
+            if not s.repeated
             for b, block in enumerate(s.blocks)
         }
         tags = {}
