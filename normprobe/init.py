@@ -692,6 +692,7 @@ def _scheme_fixup(t: _Target, *, mode: Any) -> None:
     plan: list[tuple[str, bool]] = []  # (layer path, last on its branch)
     with torch.no_grad():
         for a in adds:
+            _placeable(t, a)
             layers = [p for p in a.branch_layers if not isinstance(t.module(p), nn.Embedding)]
             on_branches.update(layers)
             m = len(layers)

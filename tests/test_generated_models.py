@@ -281,12 +281,10 @@ def _check_map(spec: Spec, m: ModelMap) -> None:
         return
     n_stack_blocks = spec.depth
     roles = Counter(n.role for n in m.norms)
-    # a post norm needs a stack block around it (one with no stack, or in the shared block
-    # outside the stack, is "other")
-    post = "post" if _stack_paths(spec) else "other"
+    # a norm on an add's sum is "post" wherever it sits
     per_block = {
         "pre": {"pre": len(spec.branches)},
-        "post": {post: len(spec.branches)},
+        "post": {"post": len(spec.branches)},
         "sandwich": {"pre": len(spec.branches), "sandwich-post": len(spec.branches)},
         "none": {},
     }[spec.placement]
@@ -294,8 +292,10 @@ def _check_map(spec: Spec, m: ModelMap) -> None:
         per_block = per_block | {"qk": 2}
     if spec.shared != "twice":  # the shared block's norms sit outside any stack
         expected = Counter({r: k * n_stack_blocks for r, k in per_block.items()})
-        if spec.final:  # after the last block of a stack; with no stack, just another norm
-            expected["final" if _stack_paths(spec) else "other"] += 1
+        if spec.final:  # after the last block of a stack; with no stack, it normalizes the
+            # last sum of a block without norms (post), or follows a normed block (other)
+            lone = "post" if spec.placement == "none" else "other"
+            expected["final" if _stack_paths(spec) else lone] += 1
         assert roles == expected, m
     placement = {"pre": "pre-ln", "post": "post-ln", "sandwich": "sandwich", "none": "no-norm"}
     inner = [p for p in expected_stacks if (p == "stack" and not spec.stages) or ".blocks" in p]
@@ -327,8 +327,8 @@ def _expect_reinit(spec: Spec, scheme: str) -> str | None:
         return None
     if not spec.residual:
         return NO_ADDS
-    post_ln = spec.placement == "post" and _stack_paths(spec) and spec.shared != "twice"
-    if scheme == "deepnorm" and not post_ln:
+    # a block run twice links its post norms to the sums of its first run only: refused
+    if scheme == "deepnorm" and (spec.placement != "post" or spec.shared == "twice"):
         return NOT_POST_LN
     return None
 

@@ -7,6 +7,7 @@ passes within 4.4% of the target.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from pathlib import Path
@@ -603,3 +604,33 @@ def test_branch_scale_bad_input() -> None:
     insert_branch_scale(z.model, "rezero", example_inputs=z.args)
     with pytest.raises(RuntimeError, match=r"already has 4 branch scalers.*remove_branch_scale"):
         insert_branch_scale(z.model, "layerscale", example_inputs=z.args)
+
+
+class _OpenBranch(nn.Module):
+    """``x + (fc(x) + gamma * x)``: part of the branch reaches the add without a weight layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.gamma = nn.Parameter(torch.full((8,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + (self.fc(x) + self.gamma * x)
+
+
+def test_a_branch_with_a_path_around_its_writers_is_refused_by_name() -> None:
+    x = torch.randn(2, 8)
+    m = normprobe.discover(_OpenBranch(), x)
+    (add,) = m.residual_adds
+    assert (add.writers, add.scales, add.open_path) == (("fc",), ("gamma",), True)
+    for call in (
+        lambda model: normprobe.insert_branch_scale(model, "rezero", example_inputs=(x,)),
+        lambda model: normprobe.reinit(model, "zero_branch", example_inputs=(x,)),
+    ):
+        model = _OpenBranch()
+        before = copy.deepcopy(model.state_dict())
+        with pytest.raises(ValueError, match=r"<root>#0 reaches the add without passing a weight"):
+            call(model)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.warns(UserWarning, match=r"<root>#0 reaches the add on a path without a weight"):
+        normprobe.reinit(_OpenBranch(), "gpt2", example_inputs=(x,))

@@ -184,6 +184,7 @@ class _Builder:
         self._seen_at: dict[int, list[tuple[int, tuple[int, str, int, Key]]]] | None = None
         self.weight_layers: set[str] = set()
         self._consumers: dict[int, list[int]] | None = None  # node -> nodes reading it
+        self._pre_normed: list[bool] = []  # per add: whether a pre norm feeds its branch
 
     def build(self) -> ModelMap:
         g = self.g
@@ -380,6 +381,7 @@ class _Builder:
                     add_norms.setdefault(i, {})["pre_norm"] = path
                     break
         readers = {inp: path for path, (inp, _) in io.items() if path not in roles}
+        self._pre_normed = ["pre_norm" in add_norms.get(i, {}) for i in range(len(adds))]
         scores_from = _feeding_scores(g)
         in_branch = set().union(*(a.region for a in adds)) if adds else set()
         for path, (inp, out) in io.items():
@@ -417,6 +419,8 @@ class _Builder:
         if self._bypassed(self.adds[i].out, norm):
             return None  # the stream goes on around the norm: it does not normalize the sum
         stack, block = self.add_where[i]
+        if stack is None and self._pre_normed[i]:
+            return None  # one Pre-LN block: the norm after it closes the model, not the block
         if stack is None or self._inside(norm, stack):
             return "post"
         mine = [j for j, (s, _) in enumerate(self.add_where) if s == stack]
