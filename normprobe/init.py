@@ -298,7 +298,9 @@ class _Target:
             p
             for a in m.residual_adds
             for p in a.branch_layers
-            if p not in modules or not (_is_weight_layer(modules[p]) or p in m.weight_layers)
+            if p not in modules
+            or isinstance(modules[p], _Wrapper)
+            or not (_is_weight_layer(modules[p]) or p in m.weight_layers)
         ]
         stale += [
             n.path

@@ -468,6 +468,8 @@ def test_reading_hooks_live_only_in_logged_forwards(tmp_path: Path, persistent: 
     spy = model.lins[0].register_forward_pre_hook(lambda *_: seen.append(hook_count(model)))
     probe = normprobe.Probe(model, optimizer=opt, every=2, persistent_hooks=persistent)
     probe.discover_now(torch.randn(2, 8))
+    assert len(seen) == 1  # the model's own hooks run in discovery's forward
+    seen.clear()
     values = []
     for _ in range(4):
         model(torch.randn(2, 8)).pow(2).mean().backward()
