@@ -25,6 +25,7 @@ scale) is a gate or a scale, never a writer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .trace import ADD_OPS, SCALE_OPS, Graph
@@ -249,17 +250,10 @@ class _Walk:
     def _gate_side(self, n: int, acts: list[int]) -> int | None:
         """Of two factors of a product, the one that gates the other, if either does."""
         g = self.g
-        size = [_numel(g.shape[i]) for i in acts]
+        size = [math.prod(g.shape[i]) for i in acts]
         if size[0] != size[1]:
             return acts[0] if size[0] < size[1] else acts[1]
         gating = [g.op[g.exact[i]] in GATE_OPS or g.op[i] in GATE_OPS for i in acts]
         if gating[0] != gating[1]:
             return acts[0] if gating[0] else acts[1]
         return None
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for s in shape:
-        total *= s
-    return total

@@ -8,6 +8,7 @@ reference, so the trace keeps no activation alive beyond what the forward itself
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -417,7 +418,11 @@ class _Recorder(TorchFunctionMode):
         params = [n for n in in_nodes if g.param_const[n]]
         if name in SHAPE_ONLY_OPS:
             act_in, params = (), []
-        if params and act_in and all(not g.floating[n] and _numel(g.shape[n]) <= 1 for n in act_in):
+        if (
+            params
+            and act_in
+            and all(not g.floating[n] and math.prod(g.shape[n]) <= 1 for n in act_in)
+        ):
             act_in = ()  # one slice of a parameter picked by a computed index: an expert's weight
         if name in BROADCAST_OPS and not act_in and params and self.stack:
             params = []  # a learned token: an activation from here on
@@ -492,13 +497,6 @@ class _Recorder(TorchFunctionMode):
                 src, value = factor
                 value = 1.0 / value if name.startswith(("div", "__truediv__")) else value
                 g.alias[n], g.alias_parent[n], g.factor[n] = g.alias[src], src, value
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total
 
 
 def _scalar_factor(
