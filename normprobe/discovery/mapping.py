@@ -355,8 +355,8 @@ class _Builder:
             if cid is None:
                 continue
             call = g.calls[cid]
-            if call.in_node is not None and call.out_node is not None:
-                io[path] = (g.alias[call.in_node], call.out_node)
+            if call.in_nodes and call.out_nodes:  # the first floating-point input and output
+                io[path] = (g.alias[call.in_nodes[0]], call.out_nodes[0])
         branch_of = {g.alias[b]: i for i, a in enumerate(adds) for b in a.branches}
         stream_of: dict[int, list[int]] = {}
         for i, a in enumerate(adds):

@@ -156,8 +156,6 @@ class Call:
     parent: int | None  # enclosing call
     first_node: int  # nodes created during the call have ids >= first_node
     end_node: int = -1
-    in_node: int | None = None  # first floating-point tensor input
-    out_node: int | None = None  # first floating-point tensor output
     in_nodes: list[int] = field(default_factory=list)  # every floating-point tensor input
     out_nodes: list[int] = field(default_factory=list)  # every floating-point tensor output
     inputs: tuple[Any, Any] | None = None  # (args, kwargs), kept only for capture candidates
@@ -341,8 +339,6 @@ class _Recorder(TorchFunctionMode):
             n = self.node(t, act=is_root)
             if t.is_floating_point():
                 call.in_nodes.append(n)
-                if call.in_node is None:
-                    call.in_node = n
             g.boundary.setdefault(n, (len(g.boundary), "pre", cid, key))
         if self.capture(mod) and index == 0:
             call.inputs = (args, kwargs)
@@ -364,8 +360,6 @@ class _Recorder(TorchFunctionMode):
                 continue
             if t.is_floating_point():
                 call.out_nodes.append(n)
-                if call.out_node is None:
-                    call.out_node = n
             g.boundary.setdefault(n, (len(g.boundary), "post", cid, key))
             if not self.stack and t.is_floating_point():
                 g.root_outputs.append((key, n))
