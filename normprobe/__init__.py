@@ -2,7 +2,6 @@
 
 from .diagnose import DiagnoseInputError, Diagnosis, Finding, diagnose
 from .discovery import (
-    Anchor,
     Attention,
     DiscoveryWarning,
     ModelMap,
@@ -21,11 +20,12 @@ from .init import (
     remove_branch_scale,
 )
 from .layers import DyT
+from .metrics import Flag
 from .muparam import CoordTable, MupShape, coord_check, mup, mup_param_groups, mup_shapes
-from .report import Flag, RunReport, Trend, find_runs
+from .report import RunReport, Trend, find_runs
 from .report import report as report_run
-from .runtime import METRICS, Probe, attach
-from .sinks import Record, TensorBoardSink
+from .runtime import METRICS, Probe, attach, attached_probe
+from .sinks import MemorySink, Record, Sink, TensorBoardSink
 from .surgery import (
     HYBRIDNORM,
     Conversion,
@@ -50,7 +50,6 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "HYBRIDNORM",
     "METRICS",
-    "Anchor",
     "Attention",
     "BranchScale",
     "Conversion",
@@ -64,6 +63,7 @@ __all__ = [
     "Finding",
     "FixupScalars",
     "Flag",
+    "MemorySink",
     "ModelMap",
     "MupShape",
     "NormLayer",
@@ -72,11 +72,13 @@ __all__ = [
     "Record",
     "ResidualAdd",
     "RunReport",
+    "Sink",
     "Stack",
     "TensorBoardSink",
     "Trend",
     "__version__",
     "attach",
+    "attached_probe",
     "branch_scales",
     "convert_norms",
     "convert_norms_with_report",

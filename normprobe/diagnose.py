@@ -28,27 +28,22 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
+from . import tags
+from .common import world_size as _current_world_size
 from .discovery import DiscoveryWarning, ModelMap
 from .discovery.model_map import _collapse
-from .discovery.trace import iter_tensors
-from .runtime import PREFIX, Probe
+from .discovery.trace import iter_tensors, replace_at
+from .metrics import attn_logits, grad_norm, resid_rms
+from .runtime import Probe
 
 # --- thresholds ---------------------------------------------------------------------------------
 
-# Post-LN gradients piled at the top: the seeds' 48-block Post-LN stack measures a last/first
-# block gradient-norm ratio of 2.35 (check [d]); DeepNorm init brings the same stack to 1.02
-# (README, reinit table). 2.0 lies between the two. Pre-LN's 0.40 skews the other way.
-POSTLN_GRAD_RATIO_MAX = 2.0
-
-# Residual growth: Pre-LN's sqrt(l) growth is a log-log slope of 0.5 (seeds §5.3); a stream that
-# is renormalized (Post-LN) or written with GPT-2's scaled init stays near 0. Flag from halfway.
-RESID_SLOPE_MAX = 0.25
-# a slope over fewer blocks is mostly the first block's noise
-RESID_MIN_DEPTH = 4
-
-# Gemma 2 soft-caps attention logits at 50 (its attn_logit_softcapping); past that, softmax puts
-# all but exp(-50) of the weight on one key.
-ATTN_LOGIT_MAX = 50.0
+# The checks that watch a logged metric compare against that metric family's thresholds
+# (normprobe/metrics/<family>.py), the same ones `normprobe report` flags with.
+POSTLN_GRAD_RATIO_MAX = grad_norm.TOP_LIMIT
+RESID_SLOPE_MAX = resid_rms.SLOPE_LIMIT
+RESID_MIN_DEPTH = resid_rms.MIN_DEPTH
+ATTN_LOGIT_MAX = attn_logits.LIMIT
 
 # BatchNorm's batch statistics come from m samples with a variance ∝ 1/m; the seeds (§2.3, §6.4)
 # name batches of 2-4 per device as where BN degrades badly and GroupNorm takes over. 8 keeps a
@@ -411,7 +406,7 @@ def diagnose(
         raise DiagnoseInputError(f"diagnose() needs a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = _split_batch(batch)
     if world_size is None:
-        world_size = _world_size()
+        world_size = _current_world_size()
     cap = _Capture()
     with _restored(model, train):
         probe = Probe(model, every=1, sinks=[], max_block_tags=sys.maxsize)  # every layer
@@ -440,14 +435,14 @@ def diagnose(
             probe.step()
             record = probe.latest
             scalars = dict(record.scalars) if record is not None else {}
-            tags = {a.path: probe._norm_tag(a.path) for a in model_map.attention}
+            logit_tags = {a.path: probe.tag("attn_logit_max", a.path) for a in model_map.attention}
         finally:
             probe.remove()
         cap.chains = _relu_chains(cap.pairs)
         for pair in cap.pairs:  # keep no activation alive in the result
             pair.x_in = pair.y_out = None
         loss_value = float(loss.detach())
-        ctx = _Context(model, model_map, scalars, cap, world_size, tags, loss_fn is not None)
+        ctx = _Context(model, model_map, scalars, cap, world_size, logit_tags, loss_fn is not None)
         checks: dict[str, str] = {}
         findings: list[Finding] = []
         for code, check in _CHECKS.items():
@@ -457,14 +452,6 @@ def diagnose(
     return Diagnosis(
         type(model).__name__, findings, checks, {**scalars, **ctx.extra}, model_map, loss_value
     )
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
 
 
 # --- the checks -----------------------------------------------------------------------------------
@@ -482,7 +469,7 @@ class _Context:
     extra: dict[str, float] = field(default_factory=dict)
 
     def scalar(self, family: str, path: str) -> float | None:
-        return self.scalars.get(f"{PREFIX}/{family}/{path or 'root'}")
+        return self.scalars.get(tags.format(family, path or "root"))
 
     def add_stacks(self, placements: tuple[str, ...]) -> list[Any]:
         """Top-level stacks of these placements that carry residual adds."""
@@ -598,7 +585,7 @@ def _check_attention(ctx: _Context) -> CheckResult:
         return [], "no attention modules"
     big = []
     for a in ctx.model_map.attention:
-        value = ctx.scalars.get(f"{PREFIX}/attn_logit_max/{ctx.attention_tags[a.path]}")
+        value = ctx.scalars.get(ctx.attention_tags[a.path])
         if value is not None and value > ATTN_LOGIT_MAX:
             big.append((a.path, value))
     if not big:
@@ -689,7 +676,7 @@ def _rerun(
 
     def run(t: torch.Tensor, to: torch.dtype) -> torch.Tensor:
         params = {n: p.detach().to(to) for n, p in module.named_parameters()}
-        a, k = _replace((args, kwargs), key, t)
+        a, k = replace_at((args, kwargs), key, t)
         out = torch.func.functional_call(module, params, tuple(a), k)
         y = next(t for _, t in iter_tensors(out) if t.is_floating_point())
         return y.double()
@@ -701,17 +688,6 @@ def _rerun(
         ref = run(low.double(), torch.float64)
     err = (y - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)
     return float(err.nan_to_num(nan=math.inf))
-
-
-def _replace(obj: Any, key: tuple[str | int, ...], value: torch.Tensor) -> Any:
-    if not key:
-        return value
-    head, rest = key[0], key[1:]
-    if isinstance(obj, tuple | list):
-        return type(obj)(_replace(v, rest, value) if i == head else v for i, v in enumerate(obj))
-    if isinstance(obj, dict):
-        return {k: _replace(v, rest, value) if k == head else v for k, v in obj.items()}
-    return obj
 
 
 def _check_low_precision(ctx: _Context) -> CheckResult:

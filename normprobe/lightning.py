@@ -15,8 +15,11 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .runtime import Probe, _check_metrics, _Hook
-from .sinks import Chart, Record, Sink, TensorBoardSink
+from .common import is_compiled
+from .metrics import chosen
+from .metrics.base import Reduce
+from .runtime import Probe, ProbeHook
+from .sinks import Record, TensorBoardSink
 
 DEFAULT_DIR = "normprobe_logs"
 CHECKPOINT_KEY = "normprobe"
@@ -34,8 +37,13 @@ class LoggerSink:
     def log_dir(self) -> str:
         return self.board.log_dir
 
-    def layout(self, charts: list[Chart]) -> None:
-        self.board.layout(charts)
+    @property
+    def layout_written(self) -> bool:
+        return self.board.layout_written
+
+    @layout_written.setter
+    def layout_written(self, value: bool) -> None:
+        self.board.layout_written = value
 
     def write(self, record: Record) -> None:
         self.logger.log_metrics(record.scalars, step=record.step)
@@ -98,7 +106,7 @@ class NormProbe(Callback):
         ):
             raise ValueError(f"`every` must be a positive integer number of steps, got {every!r}")
         self.every = every
-        self.metrics = _check_metrics(metrics)
+        self.metrics = chosen(metrics)
         self.example_inputs = example_inputs
         self.max_block_tags = max_block_tags
         self.probe: Probe | None = None
@@ -106,7 +114,7 @@ class NormProbe(Callback):
         self._waiting: list[RemovableHandle] = []
         self._stepped = False
         self._layout_dirs: list[str] = []
-        self._sinks: list[Sink] = []
+        self._sinks: list[TensorBoardSink | LoggerSink] = []
 
     # set-up ------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -128,7 +136,7 @@ class NormProbe(Callback):
             inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
             self._start(trainer, pl_module, inputs, {})
             return
-        if _is_compiled(pl_module):
+        if is_compiled(pl_module):
             raise RuntimeError(
                 "NormProbe needs the model mapped before torch.compile traces it: set "
                 "`example_input_array` on your LightningModule or pass "
@@ -138,7 +146,7 @@ class NormProbe(Callback):
         for module in (pl_module, *pl_module.children()):
             self._waiting.append(
                 module.register_forward_pre_hook(
-                    _Hook(self._first_forward(trainer)), with_kwargs=True, prepend=True
+                    ProbeHook(self._first_forward(trainer)), with_kwargs=True, prepend=True
                 )
             )
 
@@ -151,7 +159,7 @@ class NormProbe(Callback):
             self._stop_waiting()
             self._start(trainer, module, args, kwargs)
             assert self.probe is not None
-            self.probe._begin_forward()
+            self.probe.start_forward()
 
         return hook
 
@@ -161,7 +169,7 @@ class NormProbe(Callback):
         target = getattr(module, "_orig_mod", module)  # a compiled child: map the eager module
         sinks = self._sinks
         every = self.every or int(trainer.log_every_n_steps)  # type: ignore[attr-defined]
-        compiled = _is_compiled(module) or _is_compiled(trainer.lightning_module)
+        compiled = is_compiled(module) or is_compiled(trainer.lightning_module)
         self.probe = Probe(
             target,
             sinks=sinks,
@@ -170,21 +178,17 @@ class NormProbe(Callback):
             max_block_tags=self.max_block_tags,
             start_step=trainer.global_step,
             persistent_hooks=compiled,
-            param_reduce=_param_reduce(trainer.strategy),
-            phase=every - 1,  # Lightning logs step s when (s + 1) % every == 0
-            name_prefix=_prefix(trainer.lightning_module, module),
-        )
-        # a resumed run writing into a directory that already holds the layout
-        self.probe._layout_written = any(
-            getattr(sink, "log_dir", None) in self._layout_dirs for sink in sinks
+            _param_reduce=_param_reduce(trainer.strategy),
+            _phase=every - 1,  # Lightning logs step s when (s + 1) % every == 0
+            _name_prefix=_prefix(trainer.lightning_module, module),
         )
         self.probe.paused = trainer.sanity_checking
         was_training = target.training
         self.probe.discover_now(*args, **kwargs)
         target.train(was_training)
 
-    def _make_sinks(self, trainer: Trainer) -> list[Sink]:
-        sinks: list[Sink] = []
+    def _make_sinks(self, trainer: Trainer) -> list[TensorBoardSink | LoggerSink]:
+        sinks: list[TensorBoardSink | LoggerSink] = []
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 sinks.append(TensorBoardSink(writer=logger.experiment, close_writer=False))
@@ -199,6 +203,8 @@ class NormProbe(Callback):
                 stacklevel=2,
             )
             sinks.append(TensorBoardSink(log_dir=log_dir))
+        for sink in sinks:  # a resumed run writing into a directory that holds the layout
+            sink.layout_written = sink.log_dir in self._layout_dirs
         return sinks
 
     # the training loop -----------------------------------------------------------------------
@@ -293,8 +299,7 @@ class NormProbe(Callback):
     def _dirs_with_layout(self) -> list[str]:
         """Log directories that already hold normprobe's custom-scalars layout."""
         dirs = set(self._layout_dirs)
-        if self.probe is not None and self.probe._layout_written:
-            dirs.update(d for d in (getattr(s, "log_dir", None) for s in self._sinks) if d)
+        dirs.update(s.log_dir for s in self._sinks if s.layout_written)
         return sorted(dirs)
 
     def on_load_checkpoint(
@@ -311,13 +316,9 @@ def _prefix(pl_module: nn.Module, module: nn.Module) -> str:
     return ""
 
 
-def _param_reduce(strategy: Any) -> str:
+def _param_reduce(strategy: Any) -> Reduce:
     """``"sum"`` (each rank holds a shard) under a sharding FSDPStrategy, whose FSDP1 shards are
     plain tensors; DTensor shards (ModelParallelStrategy) the probe finds by itself."""
     if isinstance(strategy, FSDPStrategy) and strategy.sharding_strategy.name != "NO_SHARD":
         return "sum"
     return "mean"
-
-
-def _is_compiled(module: nn.Module) -> bool:
-    return hasattr(module, "_orig_mod") or getattr(module, "_compiler_ctx", None) is not None

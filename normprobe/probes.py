@@ -27,6 +27,21 @@ def rms(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.detach(), dtype=_wide(x)) / math.sqrt(max(x.numel(), 1))
 
 
+def rms_many(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`rms` of each tensor, as one float32 vector, in one batched reduction."""
+    if _dtensor_type() is not None or any(t.dtype == torch.float64 for t in tensors):
+        return torch.stack([rms(t).float() for t in tensors])
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    scales = [1 / math.sqrt(max(t.numel(), 1)) for t in tensors]
+    return _stacked(torch._foreach_mul(norms, scales))
+
+
+def _stacked(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Scalars (possibly on several devices) as one vector on the first one's device."""
+    device = values[0].device
+    return torch.stack([v if v.device == device else v.to(device) for v in values])
+
+
 def feature_dim(x: torch.Tensor) -> int:
     """The feature axis: channels (dim 1) for images (N, C, H, W), else the last one."""
     return 1 if x.ndim >= 4 else -1
@@ -346,6 +361,14 @@ def finite_sum(x: torch.Tensor) -> torch.Tensor:
     near 1e38 / numel, far past any trained network's activations).
     """
     return x.detach().sum(dtype=torch.float32)
+
+
+def finite_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A float32 value per tensor that is NaN or Inf exactly when the tensor holds one (the
+    sum of its absolute values), in one batched reduction."""
+    if _dtensor_type() is not None:
+        return torch.stack([finite_sum(t.abs()) for t in tensors])
+    return _stacked(torch._foreach_norm(tensors, 1, dtype=torch.float32))
 
 
 def loglog_slope(values: Sequence[float]) -> float:

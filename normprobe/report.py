@@ -29,105 +29,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PREFIX = "normprobe/"
-EVENT_GLOB = "events.out.tfevents.*"
-MODEL = "model"  # the group of tags that belong to no stack (logits, ln_f, nonfinite)
+from . import tags
+from .metrics import FAMILIES, SERIES
+from .metrics.base import MODEL, Flag, Points, RunTag
 
-# --- flag thresholds -------------------------------------------------------------------------
-# Residual growth needs both a shape and a size. Shape: log RMS against log depth rising with a
-# slope of at least 0.3; Pre-LN's sqrt(l) growth (seed tutorial §5.3) is 0.5, and the tutorial's
-# 48-block Pre-LN stack reads 0.37 at init (its input already has RMS 1, which flattens the
-# start). Size: the last block's RMS at least 3x the first one's, so that a deep block's write
-# weighs a third of the first block's; that stack reads 3.5, a 4-block Pre-LN model under 2.
-RESID_SLOPE_LIMIT = 0.3
-RESID_GROWTH_MIN = 3.0
-# Any shape: an unscaled stream of 50 layers grows its std x10 (variance x101, the tutorial's
-# check [f]); a stack growing that much is flagged whatever its slope.
-RESID_GROWTH_LIMIT = 10.0
-# Representation collapse (the lecture, seed 004): consecutive blocks' streams nearly parallel.
-COLLAPSE_COS = 0.95
-# The lecture measures collapse over depth; below 4 blocks there is no deep half to speak of.
-COLLAPSE_MIN_DEPTH = 4
-# grad_ratio (last / first block), the tutorial's check [d]: Post-LN reads 2.35 (top-heavy, the
-# reason it needs warmup) and DeepNorm brings it to 1.02, so 2.0 flags the first and not the
-# second. Pre-LN reads 0.40 there, which the tutorial calls better conditioned (each block's
-# scale shrinks evenly with depth): only a skew well past it, 4x, is flagged as bottom-heavy.
-GRAD_TOP_LIMIT = 2.0
-GRAD_BOTTOM_LIMIT = 0.25
-# Gemma 2 soft-caps final logits at 30 and attention logits at 50: beyond these, softmax is
-# saturated enough that those models chose to clip them.
-LOGIT_LIMIT = 30.0
-ATTN_LOGIT_LIMIT = 50.0
-# Small-init heads start with logits near 0.1-1 and healthy training takes them to ~10, a rise
-# of 10-100x; 100x from the first logged step is past that. A rise from a near-zero start (the
-# attention of a block whose input is still tiny) counts only once the logit reaches 10, where
-# softmax already favours one entry over another by e^10 = 22,000 to 1.
-LOGIT_GROWTH_FACTOR = 100.0
-LOGIT_GROWTH_FLOOR = 10.0
-# BatchNorm: batch mean off the running mean by half a running std, batch variance off by a
-# factor 2 (|log| = 0.69), eval output differing from train output by 20% of its RMS. Our
-# choice: the tutorial's check [c] shows train != eval, without a number for "too far".
-BN_MEAN_DRIFT_LIMIT = 0.5
-BN_VAR_DRIFT_LIMIT = math.log(2.0)
-BN_GAP_LIMIT = 0.2
+EVENT_GLOB = "events.out.tfevents.*"
 # A change of less than 10% between the first and the last value reads as "flat".
 TREND_FLAT = 0.1
-
-# How a per-block or per-module family becomes one number per step and stack.
-ROW_REDUCE: dict[str, str] = {
-    "resid_rms": "last",  # the stream leaving the stack
-    "resid_cos": "deep",  # mean over the deep half of the blocks (what collapse looks at)
-    "grad_norm": "mean",
-    "update_ratio": "mean",
-    "norm_in_rms": "mean",
-    "norm_out_rms": "mean",
-    "norm_gain_mean": "mean",
-    "norm_gain_std": "mean",
-    "attn_logit_max": "max",
-    "bn_mean_drift": "max",
-    "bn_var_drift": "max",
-    "bn_gap": "max",
-    "val_bn_mean_drift": "max",
-    "val_bn_var_drift": "max",
-    "val_bn_gap": "max",
-}
-STACK_SCALARS = ("resid_growth", "resid_slope", "grad_ratio")
-BLOCK_FAMILIES = ("resid_rms", "resid_cos", "grad_norm", "update_ratio")
-BN_LIMITS = {
-    "mean_drift": BN_MEAN_DRIFT_LIMIT,
-    "var_drift": BN_VAR_DRIFT_LIMIT,
-    "gap": BN_GAP_LIMIT,
-}
-FAMILY_ORDER = (
-    "resid_rms",
-    "resid_growth",
-    "resid_slope",
-    "resid_cos",
-    "grad_norm",
-    "grad_ratio",
-    "update_ratio",
-    "norm_in_rms",
-    "norm_out_rms",
-    "norm_gain_mean",
-    "norm_gain_std",
-    "attn_logit_max",
-    "logits",
-    "bn_mean_drift",
-    "bn_var_drift",
-    "bn_gap",
-    "val_bn_mean_drift",
-    "val_bn_var_drift",
-    "val_bn_gap",
-    "nonfinite",
-)
+# the prefix every normprobe tag starts with
+PREFIX = tags.PREFIX + "/"
 
 # --- the depth-profile picture ---------------------------------------------------------------
 PANEL_SIZE = (480, 300)
 PANEL_COLUMNS = 2
 MAX_PROFILE_LINES = 6
 BACKGROUND = (255, 255, 255)
-
-Series = list[tuple[int, float]]
 
 
 @dataclass(frozen=True)
@@ -182,32 +98,6 @@ class Trend:
         if first > 0 and last > 0:
             return f"{word} x{last / first:.3g}"
         return word
-
-
-@dataclass(frozen=True)
-class Flag:
-    """Something in the run that crossed a threshold.
-
-    Attributes:
-        kind: ``residual growth``, ``representation collapse``, ``nan onset``,
-            ``batchnorm drift``, ``logit blow-up``, ``top-heavy gradients`` or
-            ``bottom-heavy gradients``.
-        stack: the stack (or ``"model"``) it concerns.
-        step: the logged step the evidence comes from.
-        value: the measured value that crossed ``threshold``.
-        threshold: the limit it was compared against (one of this module's constants).
-        message: the evidence and a suggestion, in a sentence or two.
-    """
-
-    kind: str
-    stack: str
-    step: int
-    value: float
-    threshold: float
-    message: str
-
-    def __str__(self) -> str:
-        return f"[{self.kind}] {self.stack} at step {self.step}: {self.message}"
 
 
 @dataclass
@@ -362,7 +252,7 @@ def report(run_dir: str | Path) -> RunReport:
         event_files=events.files,
         steps=steps,
         trends=rows,
-        flags=_flags(events, rows),
+        flags=_flags(events),
         profiles=_profiles(events.histograms),
     )
 
@@ -370,7 +260,7 @@ def report(run_dir: str | Path) -> RunReport:
 @dataclass
 class _Events:
     files: int
-    scalars: dict[str, Series]
+    scalars: dict[str, Points]
     histograms: dict[str, list[tuple[int, list[float]]]]
     texts: dict[str, list[tuple[int, str]]]
 
@@ -404,74 +294,64 @@ def _read(run: Path) -> _Events:
 
 
 # --- rows --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Tag:
-    tag: str
-    family: str
-    stack: str
-    label: str  # the row's metric name
-    block: int | None  # per-block families: the block index
-    module: str  # per-module families: the module's tag name
-
-
-def _parse(tag: str, stacks: set[str]) -> _Tag | None:
-    if not tag.startswith(PREFIX):
+def _parse(tag: str, stacks: set[str]) -> RunTag | None:
+    """A tag with the stack (or `MODEL`) its row belongs to; None for tags of no family."""
+    parsed = tags.parse(tag)
+    series = SERIES.get(parsed.series) if parsed is not None else None
+    if parsed is None or series is None:
         return None
-    family, _, rest = tag[len(PREFIX) :].partition("/")
-    if not rest:
-        return None
-    if family in STACK_SCALARS:
-        return _Tag(tag, family, rest, family, None, "")
-    if family in BLOCK_FAMILIES:
-        m = re.fullmatch(r"(.+)/(\d+)", rest)
-        if m is None:
-            return None
-        label = f"{family}[{ROW_REDUCE[family]}]"
-        return _Tag(tag, family, m[1], label, int(m[2]), "")
-    if family in ("logits", "nonfinite"):
-        return _Tag(tag, family, MODEL, f"{family}/{rest}", None, "")
-    if family in ROW_REDUCE:
-        reduce = ROW_REDUCE[family]
-        m = re.fullmatch(r"([^/]+)/(\d+)\.(.+)", rest)  # <stack>/<block>.<path in the block>
-        if m is not None:
-            stack, position = m[1], "." + m[3]
-        elif "." in rest and rest.rsplit(".", 1)[0] in stacks and rest.rsplit(".", 1)[1].isdigit():
-            stack, position = rest.rsplit(".", 1)[0], ""  # the block is the module (lns.3)
-        else:
-            stack, position = MODEL, rest
-        if reduce == "max":  # attention and BatchNorm: the worst module of the stack
-            position = ""
-        label = f"{family}[{reduce}]" if not position else f"{family} {position}"
-        if stack == MODEL and reduce != "max":
-            label = f"{family} {rest}"
-        return _Tag(tag, family, stack, label, None, rest)
-    return None
+    if series.shape == "model":
+        return RunTag(tag, parsed, MODEL, "")
+    if series.shape in ("stack", "block"):
+        return RunTag(tag, parsed, parsed.subject, "")
+    module = tag.split("/", 2)[2]  # <stack>/<block>.<layer>, or the module's path
+    if parsed.block is not None:
+        return RunTag(tag, parsed, parsed.subject, module)
+    stack, _, index = module.rpartition(".")
+    if stack in stacks and index.isdigit():  # the block is the module (lns.3)
+        return RunTag(tag, parsed, stack, module)
+    return RunTag(tag, parsed, MODEL, module)
 
 
-def _stacks(tags: Sequence[str]) -> set[str]:
+def _label(t: RunTag) -> str:
+    """The row a tag belongs to: the series, with its reduction over blocks or modules in
+    brackets (``resid_rms[last]``) or the module's position in its block (``norm_in_rms .ln_1``)."""
+    series = SERIES[t.parsed.series]
+    name = t.parsed.series
+    if series.shape == "stack":
+        return name
+    if series.shape == "model":
+        return f"{name}/{t.parsed.subject}"
+    if series.shape == "block" or series.row == "max":
+        return f"{name}[{series.row}]"
+    if t.stack == MODEL:
+        return f"{name} {t.module}"
+    return f"{name} .{t.parsed.layer}" if t.parsed.layer else f"{name}[{series.row}]"
+
+
+def _stacks(tag_names: Sequence[str]) -> set[str]:
     found = set()
-    for tag in tags:
-        family, _, rest = tag[len(PREFIX) :].partition("/")
-        if family in STACK_SCALARS:
-            found.add(rest)
-        elif family in BLOCK_FAMILIES and "/" in rest:
-            found.add(rest.rsplit("/", 1)[0])
+    for tag in tag_names:
+        parsed = tags.parse(tag)
+        series = SERIES.get(parsed.series) if parsed is not None else None
+        if parsed is not None and series is not None and series.shape in ("stack", "block"):
+            found.add(parsed.subject)
     return found
 
 
-def _parsed(scalars: dict[str, Series]) -> list[_Tag]:
+def _parsed(scalars: dict[str, Points]) -> list[RunTag]:
     stacks = _stacks(list(scalars))
     return [p for p in (_parse(t, stacks) for t in scalars) if p is not None]
 
 
-def _members(kind: str, tags: list[_Tag]) -> list[_Tag]:
+def _members(kind: str, members: list[RunTag]) -> list[RunTag]:
     """The tags a row reads: the last block, the deep half, or all of them."""
     if kind not in ("last", "deep"):
-        return tags
-    depth = max(t.block or 0 for t in tags) + 1
+        return members
+    depth = max(t.parsed.block or 0 for t in members) + 1
     if kind == "last":
-        return [t for t in tags if t.block == depth - 1]
-    return [t for t in tags if (t.block or 0) >= depth // 2]
+        return [t for t in members if t.parsed.block == depth - 1]
+    return [t for t in members if (t.parsed.block or 0) >= depth // 2]
 
 
 def _reduce(kind: str, values: list[float]) -> float:
@@ -482,14 +362,14 @@ def _reduce(kind: str, values: list[float]) -> float:
     return values[0]  # "last" and "value": one tag
 
 
-def _rows(scalars: dict[str, Series]) -> list[Trend]:
-    grouped: dict[tuple[str, str], list[_Tag]] = {}
+def _rows(scalars: dict[str, Points]) -> list[Trend]:
+    grouped: dict[tuple[str, str], list[RunTag]] = {}
     for p in _parsed(scalars):
-        grouped.setdefault((p.stack, p.label), []).append(p)
+        grouped.setdefault((p.stack, _label(p)), []).append(p)
     rows = []
-    for (stack, label), tags in grouped.items():
-        kind = ROW_REDUCE.get(tags[0].family, "value")
-        members = _members(kind, tags)
+    for (stack, label), members in grouped.items():
+        kind = SERIES[members[0].parsed.series].row
+        members = _members(kind, members)
         by_step: dict[int, list[float]] = {}
         for m in members:
             for step, value in scalars[m.tag]:
@@ -502,262 +382,31 @@ def _rows(scalars: dict[str, Series]) -> list[Trend]:
         rows.append(
             Trend(stack, label, tuple(steps), values, tuple(sorted(m.tag for m in members)))
         )
+    order = {name: i for i, name in enumerate(SERIES)}
 
-    def order(t: Trend) -> tuple[bool, str, int, str]:
-        family = t.metric.split("[")[0].split(" ")[0].split("/")[0]
-        rank = FAMILY_ORDER.index(family) if family in FAMILY_ORDER else len(FAMILY_ORDER)
-        return (t.stack == MODEL, t.stack, rank, t.metric)
+    def rank(t: Trend) -> tuple[bool, str, int, str]:
+        series = re.split(r"[\[ /]", t.metric, maxsplit=1)[0]
+        return (t.stack == MODEL, t.stack, order.get(series, len(order)), t.metric)
 
-    return sorted(rows, key=order)
+    return sorted(rows, key=rank)
 
 
 # --- flags -------------------------------------------------------------------------------------
-def _last(series: Series) -> tuple[int, float] | None:
-    finite = [(s, v) for s, v in series if math.isfinite(v)]
-    return finite[-1] if finite else None
+@dataclass
+class _RunView:
+    """A run as the families' `flags` read it (`normprobe.metrics.base.Run`)."""
+
+    scalars: dict[str, Points]
+    texts: dict[str, list[tuple[int, str]]]
+    tags: list[RunTag]
 
 
-def _flags(events: _Events, rows: list[Trend]) -> list[Flag]:
-    scalars = events.scalars
-    tags = _parsed(scalars)
-    flags: list[Flag] = []
-    flags += _nan_onset(events)
-    stacks = sorted({t.stack for t in rows})
-    for stack in stacks:
-        flags += _growth(scalars, stack)
-        flags += _collapse(tags, scalars, stack)
-        flags += _gradients(scalars, stack)
-        flags += _attention(tags, scalars, stack)
-        flags += _batchnorm(tags, scalars, stack)
-    flags += _logits(scalars)
-    return flags
-
-
-def _nan_onset(events: _Events) -> list[Flag]:
-    series = events.scalars.get(f"{PREFIX}nonfinite/modules", [])
-    onset = next(((s, v) for s, v in series if v > 0 or not math.isfinite(v)), None)
-    if onset is None:
-        return []
-    step, count = onset
-    texts = events.texts.get(f"{PREFIX}nonfinite/first", [])
-    first = next((text for s, text in texts if s == step), None)
-    where = f"first in the output of {first}" if first else "module not recorded"
-    return [
-        Flag(
-            "nan onset",
-            MODEL,
-            step,
-            count,
-            0.0,
-            f"NaN/Inf in {count:g} module outputs, {where}; check the learning rate, the data of "
-            "that step and fp16 overflow (earlier logged steps were finite)",
-        )
-    ]
-
-
-def _growth(scalars: dict[str, Series], stack: str) -> list[Flag]:
-    slope = _last(scalars.get(f"{PREFIX}resid_slope/{stack}", []))
-    growth = _last(scalars.get(f"{PREFIX}resid_growth/{stack}", []))
-    if growth is None:
-        return []
-    step, g = growth
-    s = slope[1] if slope is not None and slope[0] == step else math.nan
-    if g >= RESID_GROWTH_LIMIT:
-        why = f"resid_growth {g:.3g} >= {RESID_GROWTH_LIMIT:g}"
-    elif g >= RESID_GROWTH_MIN and s >= RESID_SLOPE_LIMIT:
-        why = (
-            f"resid_growth {g:.3g} >= {RESID_GROWTH_MIN:g} and resid_slope {s:.3g} >= "
-            f"{RESID_SLOPE_LIMIT} (0.5 is Pre-LN's sqrt(l) growth)"
-        )
-    else:
-        return []
-    return [
-        Flag(
-            "residual growth",
-            stack,
-            step,
-            g,
-            RESID_GROWTH_LIMIT if g >= RESID_GROWTH_LIMIT else RESID_GROWTH_MIN,
-            f"{why}: the last block's stream has {g:.3g}x the RMS of the first block's, so deep "
-            "blocks' writes are diluted; keep a final norm before the head, or scale the "
-            "residual branches (normprobe.reinit(model, 'gpt2'), insert_branch_scale)",
-        )
-    ]
-
-
-def _collapse(tags: list[_Tag], scalars: dict[str, Series], stack: str) -> list[Flag]:
-    cos = [t for t in tags if t.family == "resid_cos" and t.stack == stack]
-    if not cos:
-        return []
-    depth = max(t.block or 0 for t in cos) + 1
-    if depth < COLLAPSE_MIN_DEPTH:
-        return []
-    step = max(s for t in cos for s, _ in scalars[t.tag])
-    deep = {
-        t.block: v
-        for t in cos
-        if (t.block or 0) >= depth // 2
-        for s, v in scalars[t.tag]
-        if s == step and math.isfinite(v)
-    }
-    if not deep:
-        return []
-    mean = statistics.fmean(deep.values())
-    if mean <= COLLAPSE_COS:
-        return []
-    lo, hi = min(k or 0 for k in deep), max(k or 0 for k in deep)
-    return [
-        Flag(
-            "representation collapse",
-            stack,
-            step,
-            mean,
-            COLLAPSE_COS,
-            f"consecutive blocks' streams have cosine {mean:.3f} > {COLLAPSE_COS} on average over "
-            f"blocks {lo}..{hi} (the deep half): those blocks barely change the representation "
-            "(typical of Pre-LN, whose stream outgrows each block's write); consider DeepNorm, "
-            "sandwich norms or branch scaling",
-        )
-    ]
-
-
-def _gradients(scalars: dict[str, Series], stack: str) -> list[Flag]:
-    series = scalars.get(f"{PREFIX}grad_ratio/{stack}", [])
-    series = [(s, v) for s, v in series if math.isfinite(v) and v > 0]
-    if not series:
-        return []
-    # the median over the run (one noisy step does not make a skew), then the first logged
-    # step (where the tutorial measures: Post-LN's skew at init is why it needs warmup)
-    median = statistics.median(v for _, v in series)
-    checks = [
-        (
-            series[-1][0],
-            median,
-            "(median over the logged steps)" if len(series) > 1 else "at the only logged step",
-        )
-    ]
-    if len(series) > 1:
-        checks.append((series[0][0], series[0][1], "at the first logged step"))
-    for step, ratio, when in checks:
-        if ratio >= GRAD_TOP_LIMIT:
-            return [
-                Flag(
-                    "top-heavy gradients",
-                    stack,
-                    step,
-                    ratio,
-                    GRAD_TOP_LIMIT,
-                    f"grad_ratio (last / first block) {ratio:.3g} {when} >= {GRAD_TOP_LIMIT:g}: "
-                    "gradients pile up near the output, as in Post-LN (2.35 in the tutorial); "
-                    "warm the learning rate up, or use DeepNorm "
-                    "(normprobe.reinit(model, 'deepnorm'))",
-                )
-            ]
-        if ratio <= GRAD_BOTTOM_LIMIT:
-            return [
-                Flag(
-                    "bottom-heavy gradients",
-                    stack,
-                    step,
-                    ratio,
-                    GRAD_BOTTOM_LIMIT,
-                    f"grad_ratio (last / first block) {ratio:.3g} {when} <= "
-                    f"{GRAD_BOTTOM_LIMIT:g}: the first block's gradient is {1 / ratio:.3g}x the "
-                    "last one's (the direction of Pre-LN's skew, 2.5x in the tutorial); deep "
-                    "blocks learn slowly: scale the residual branches or give deep blocks a "
-                    "larger learning rate",
-                )
-            ]
-    return []
-
-
-def _blow_up(series: Series, limit: float) -> tuple[int, float, str] | None:
-    finite = [(s, v) for s, v in series if math.isfinite(v)]
-    if not finite:
-        return None
-    (s0, v0), (s1, v1) = finite[0], finite[-1]
-    why = []
-    if v1 >= limit:
-        why.append(f"{v1:.3g} >= {limit:g}")
-    if v0 > 0 and v1 / v0 >= LOGIT_GROWTH_FACTOR and v1 >= LOGIT_GROWTH_FLOOR:
-        why.append(f"{v1:.3g}, {v1 / v0:.3g}x its value at step {s0}")
-    return (
-        (s1, v1, why[0] if len(why) == 1 else f"{why[0]} and {why[1].split(', ', 1)[1]}")
-        if why
-        else None
-    )
-
-
-def _logits(scalars: dict[str, Series]) -> list[Flag]:
-    hit = _blow_up(scalars.get(f"{PREFIX}logits/max_abs", []), LOGIT_LIMIT)
-    if hit is None:
-        return []
-    step, value, why = hit
-    return [
-        Flag(
-            "logit blow-up",
-            MODEL,
-            step,
-            value,
-            LOGIT_LIMIT,
-            f"the head's max |logit| is {why}: softmax saturates; lower the learning rate, add "
-            "weight decay or z-loss on the head, or soft-cap the logits",
-        )
-    ]
-
-
-def _attention(tags: list[_Tag], scalars: dict[str, Series], stack: str) -> list[Flag]:
-    worst: tuple[float, _Tag, tuple[int, float, str]] | None = None
-    for t in tags:
-        if t.family != "attn_logit_max" or t.stack != stack:
-            continue
-        hit = _blow_up(scalars[t.tag], ATTN_LOGIT_LIMIT)
-        if hit is not None and (worst is None or hit[1] > worst[0]):
-            worst = (hit[1], t, hit)
-    if worst is None:
-        return []
-    _, t, (step, value, why) = worst
-    return [
-        Flag(
-            "logit blow-up",
-            stack,
-            step,
-            value,
-            ATTN_LOGIT_LIMIT,
-            f"attention logits max |q.k|*scale of {t.module} is {why}: attention saturates "
-            "toward one-hot; add QK-norm (TinyTransformer(qk_norm=True), convert_norms) or lower "
-            "the learning rate",
-        )
-    ]
-
-
-def _batchnorm(tags: list[_Tag], scalars: dict[str, Series], stack: str) -> list[Flag]:
-    over: list[tuple[float, int, float, float, str]] = []
-    for t in tags:
-        if t.stack != stack or "bn_" not in t.family:
-            continue
-        limit = BN_LIMITS[t.family.split("bn_", 1)[1]]
-        last = _last(scalars[t.tag])
-        if last is not None and last[1] > limit:
-            text = f"{t.family} {last[1]:.3g} > {limit:.3g} at {t.module}"
-            over.append((last[1] / limit, last[0], last[1], limit, text))
-    if not over:
-        return []
-    over.sort(reverse=True)  # the worst first, by its ratio to its own limit
-    _, step, value, limit, _ = over[0]
-    listed = "; ".join(o[4] for o in over[:4]) + ("; ..." if len(over) > 4 else "")
-    return [
-        Flag(
-            "batchnorm drift",
-            stack,
-            step,
-            value,
-            limit,
-            f"{listed}: batches differ from the running statistics that eval mode uses; look "
-            "for a shifting input distribution, raise the momentum, or use GroupNorm/LayerNorm "
-            "for small or correlated batches",
-        )
-    ]
+def _flags(events: _Events) -> list[Flag]:
+    run = _RunView(events.scalars, events.texts, _parsed(events.scalars))
+    found = [(i, flag) for i, family in enumerate(FAMILIES) for flag in family.flags(run)]
+    # NaN onset first (what came after it is its consequence), then stack by stack
+    found.sort(key=lambda f: (f[1].kind != "nan onset", f[1].stack == MODEL, f[1].stack, f[0]))
+    return [flag for _, flag in found]
 
 
 # --- profiles and the picture -------------------------------------------------------------------
@@ -766,14 +415,15 @@ def _profiles(
 ) -> dict[str, list[tuple[int, list[float]]]]:
     out = {}
     for tag, events in histograms.items():
-        family = tag[len(PREFIX) :].split("/", 1)[0]
-        if family not in BLOCK_FAMILIES:
+        parsed = tags.parse(tag)
+        series = SERIES.get(parsed.series) if parsed is not None else None
+        if series is None or series.shape != "block":
             continue
         profiles = []
         for step, values in sorted(events, key=lambda e: e[0]):
             values = list(values)
-            if family == "resid_cos" and values:
-                values[0] = math.nan  # block 0 has no predecessor; the sink wrote 0
+            # blocks without a value (block 0 of resid_cos): the sink wrote 0
+            values[: series.first_block] = [math.nan] * min(series.first_block, len(values))
             profiles.append((step, values))
         out[tag[len(PREFIX) :]] = profiles
     return out
@@ -805,11 +455,10 @@ def _draw_profiles(rep: RunReport, path: Path) -> Path:
     if not rep.profiles:
         raise ValueError(
             f"{rep.run_dir!r} has no depth histograms to draw: log a per-block metric "
-            f"({', '.join(BLOCK_FAMILIES)}) to get them"
+            f"({', '.join(n for n, s in SERIES.items() if s.shape == 'block')}) to get them"
         )
-    names = sorted(
-        rep.profiles, key=lambda n: (n.split("/", 1)[1], BLOCK_FAMILIES.index(n.split("/")[0]))
-    )
+    order = list(SERIES)
+    names = sorted(rep.profiles, key=lambda n: (n.split("/", 1)[1], order.index(n.split("/")[0])))
     image = Image.new("RGB", png_size(len(names)), BACKGROUND)
     draw = ImageDraw.Draw(image)
     font = ImageFont.load_default()

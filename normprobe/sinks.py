@@ -1,14 +1,23 @@
-"""Where logged statistics go: TensorBoard event files (scalars, layout, depth profiles)."""
+"""Where logged statistics go: a `Sink` receives each logged step's `Record`.
+
+`TensorBoardSink` writes event files (scalars, a custom-scalars layout, depth profiles);
+`MemorySink` keeps the records in a list, for tests and notebooks. Any object with the
+`Sink` methods can be passed to ``attach(..., sinks=[...])``.
+"""
 
 from __future__ import annotations
 
 import re
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import google_crc32c
 from tensorboard.compat.proto.summary_pb2 import Summary
+
+from . import tags
+from .metrics import SERIES
 
 # A chart of the custom-scalars dashboard: (category, title, regex of the tags it draws).
 Chart = tuple[str, str, str]
@@ -32,15 +41,46 @@ class Record:
 
 
 class Sink(Protocol):
-    """Receives records; `layout` is called once, before the first record."""
+    """Receives the records of a probe's logged steps (on global rank zero only).
 
-    def layout(self, charts: list[Chart]) -> None: ...
+    `flush` is called when a forward raises (what was written must reach the disk) and
+    `close` when the probe is removed.
+    """
 
     def write(self, record: Record) -> None: ...
 
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class MemorySink:
+    """Keeps every record in `records`: the probe's output, in memory.
+
+    Example::
+
+        sink = normprobe.MemorySink()
+        with normprobe.attach(model, opt, sinks=[sink], every=1):
+            train()
+        sink.series("normprobe/grad_ratio/blocks")   # [(step, value), ...]
+    """
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self.closed = False
+
+    def write(self, record: Record) -> None:
+        self.records.append(record)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def series(self, tag: str) -> list[tuple[int, float]]:
+        """(step, value) of ``tag`` over the records that have it."""
+        return [(r.step, r.scalars[tag]) for r in self.records if tag in r.scalars]
 
 
 class TensorBoardSink:
@@ -59,6 +99,8 @@ class TensorBoardSink:
         log_dir: directory for a new writer (``runs/<date>`` when both are None).
         close_writer: close the writer on `close` (default: only when this sink created it).
         flush_secs: how often a writer made here flushes in the background.
+        layout: write the custom-scalars layout with the first record (False: the directory
+            holds it already, as when a run resumes).
     """
 
     def __init__(
@@ -67,6 +109,7 @@ class TensorBoardSink:
         log_dir: str | None = None,
         close_writer: bool | None = None,
         flush_secs: float = 1.0,
+        layout: bool = True,
     ) -> None:
         _use_fast_checksums()
         if writer is None:
@@ -76,6 +119,7 @@ class TensorBoardSink:
             close_writer = True if close_writer is None else close_writer
         self.writer = writer
         self.close_writer = bool(close_writer)
+        self.layout_written = not layout
         # at exit (or when this sink is collected): what is still queued reaches the disk
         self._at_exit = weakref.finalize(self, writer.flush)
 
@@ -83,14 +127,14 @@ class TensorBoardSink:
     def log_dir(self) -> str:
         return str(self.writer.log_dir)
 
-    def layout(self, charts: list[Chart]) -> None:
-        categories: dict[str, dict[str, list[Any]]] = {}
-        for category, title, regex in charts:
-            categories.setdefault(category, {})[title] = ["Multiline", [regex]]
-        if categories:
-            self.writer.add_custom_scalars(categories)
-
     def write(self, record: Record) -> None:
+        if not self.layout_written:
+            self.layout_written = True
+            categories: dict[str, dict[str, list[Any]]] = {}
+            for category, title, regex in charts(record.scalars):
+                categories.setdefault(category, {})[title] = ["Multiline", [regex]]
+            if categories:
+                self.writer.add_custom_scalars(categories)
         if record.scalars:
             # one event holding every scalar: hundreds of add_scalar calls cost more than a step
             summary = Summary(
@@ -151,6 +195,22 @@ def _depth_histogram(writer: Any, tag: str, values: list[float], step: int) -> N
     )
 
 
-def chart_regex(prefix: str) -> str:
-    """A regex matching the tags that start with ``prefix`` and go one level deeper."""
-    return "^" + re.escape(prefix) + r"/[^/]+$"
+def charts(scalars: Iterable[str]) -> list[Chart]:
+    """The custom-scalars charts of a record's tags: one multi-line chart per series and stack
+    (per position within the stack's blocks for modules), in the families' order."""
+    found: dict[tuple[str, str], str] = {}
+    for tag in scalars:
+        t = tags.parse(tag)
+        if t is None:
+            continue
+        stack = tags.format(t.series, t.subject)
+        if t.block is not None and t.layer is None:  # .../<stack>/<block>
+            found[(t.series, t.subject)] = "^" + re.escape(stack) + r"/[^/]+$"
+        elif t.block is not None:  # .../<stack>/<block>.<layer>
+            layer = re.escape(t.layer or "")
+            found[(t.series, f"{t.subject} {t.layer}")] = f"^{re.escape(stack)}/\\d+\\.{layer}$"
+        else:
+            found[(t.series, t.subject)] = "^" + re.escape(tag) + "$"
+    order = {name: i for i, name in enumerate(SERIES)}
+    ranked = sorted(found.items(), key=lambda item: order.get(item[0][0], len(order)))
+    return [(f"{tags.PREFIX} {series}", title, regex) for (series, title), regex in ranked]

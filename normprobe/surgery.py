@@ -16,10 +16,12 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .common import is_compiled
 from .discovery import DiscoveryWarning, ModelMap, NormLayer, discover
 from .discovery import norms as norm_rules
 from .discovery.model_map import _table
 from .layers import BatchNormNd, DyT, LayerNorm2d, PerHeadLayerNorm, PerHeadRMSNorm, RMSNorm2d
+from .runtime import attached_probe
 
 __all__ = [
     "HYBRIDNORM",
@@ -333,7 +335,7 @@ def _check_model(model: nn.Module) -> None:
                 "registered the current parameters for gradient reduction; convert the plain "
                 f"model (the wrapper's `.module`), then wrap the result in {wrapper}"
             )
-        if hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None:
+        if is_compiled(m):
             raise TypeError(
                 f"convert_norms got a model compiled by torch.compile{where}, whose graphs would "
                 "keep running the old layers; convert the model before compiling it (the "
@@ -342,11 +344,8 @@ def _check_model(model: nn.Module) -> None:
 
 
 def _check_no_probe(model: nn.Module) -> None:
-    runtime = sys.modules.get("normprobe.runtime")
-    if runtime is None:  # no probe can be attached before the runtime is imported
-        return
     for path, m in model.named_modules():
-        if runtime._attached_probe(m) is not None:
+        if attached_probe(m) is not None:
             where = f" at {path!r}" if path else ""
             raise RuntimeError(
                 f"a normprobe probe is attached to {type(m).__name__}{where}; its hooks and model "

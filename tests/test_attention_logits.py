@@ -108,8 +108,7 @@ def logged(model: nn.Module, x: torch.Tensor, tmp_path: Path) -> dict[str, float
         assert probe.model_map is not None and probe.latest is not None
         scalars = probe.latest.scalars
         return {
-            a.path: scalars[f"normprobe/attn_logit_max/{probe._norm_tag(a.path)}"]
-            for a in probe.model_map.attention
+            a.path: scalars[probe.tag("attn_logit_max", a.path)] for a in probe.model_map.attention
         }
 
 

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 
 import normprobe
 from normprobe.models import TinyTransformer
-from normprobe.runtime import _attached_probe, _InertHook
+from normprobe.runtime import InertHook, attached_probe
 
 EVERY = 2
 STEPS = 8
@@ -358,7 +358,7 @@ def only_inert_hooks(model: nn.Module) -> bool:
         for d in (m._forward_pre_hooks, m._forward_hooks)
         for h in d.values()
     ]
-    return all(isinstance(h, _InertHook | CopyInside) for h in hooks)
+    return all(isinstance(h, InertHook | CopyInside) for h in hooks)
 
 
 @pytest.mark.parametrize("how", COPIES)
@@ -384,9 +384,9 @@ def test_a_copy_taken_mid_logged_step_and_after_surgery_runs_without_the_probe(
     twin, twin_opt = grab.copy["model"], grab.copy["opt"]
     assert grab.armed > 20 and hook_count(model) == 1  # the copy was taken with hooks armed
     assert isinstance(twin.blocks[0].ln_1, nn.RMSNorm) and only_inert_hooks(twin)
-    assert _attached_probe(twin) is None
+    assert attached_probe(twin) is None
     assert all(
-        isinstance(h, _InertHook)
+        isinstance(h, InertHook)
         for d in (twin_opt._optimizer_step_pre_hooks, twin_opt._optimizer_step_post_hooks)
         for h in d.values()
     )

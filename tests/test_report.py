@@ -20,6 +20,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 import normprobe
 from normprobe import report as rp
+from normprobe.metrics import SERIES, attn_logits, bn_stats, grad_norm, logits, resid_cos, resid_rms
 from normprobe.models import ResidualStack, TinyTransformer
 
 Batch = Callable[[int], torch.Tensor]
@@ -181,21 +182,21 @@ def test_gradient_skew_flags_follow_the_tutorial(stacks: dict[str, rp.RunReport]
     assert "bottom-heavy gradients" not in kinds(stacks["pre"], "lins")
     low = stacks["pre_small_input"]
     assert "bottom-heavy gradients" in kinds(low, "lins")
-    assert low.row("lins", "grad_ratio").last <= rp.GRAD_BOTTOM_LIMIT
+    assert low.row("lins", "grad_ratio").last <= grad_norm.BOTTOM_LIMIT
 
 
 def test_residual_growth_and_collapse_flags(stacks: dict[str, rp.RunReport]) -> None:
     pre, post = stacks["pre"], stacks["post"]
     # Pre-LN's stream grows with depth and its deep blocks become nearly parallel
-    assert pre.row("lins", "resid_growth").last >= rp.RESID_GROWTH_MIN
-    assert pre.row("lins", "resid_slope").last >= rp.RESID_SLOPE_LIMIT
+    assert pre.row("lins", "resid_growth").last >= resid_rms.GROWTH_MIN
+    assert pre.row("lins", "resid_slope").last >= resid_rms.SLOPE_LIMIT
     assert {"residual growth", "representation collapse"} <= kinds(pre, "lins")
     collapse = next(f for f in pre.flags if f.kind == "representation collapse")
     assert collapse.value == pytest.approx(pre.row("lins", "resid_cos[deep]").last)
     assert "24..47" in collapse.message
     # Post-LN renormalizes every block: flat stream, cosine well below the limit
     assert pre.row("lins", "resid_growth").last > 3 * post.row("lins", "resid_growth").last
-    assert post.row("lins", "resid_cos[deep]").last < rp.COLLAPSE_COS - 0.05
+    assert post.row("lins", "resid_cos[deep]").last < resid_cos.COLLAPSE_COS - 0.05
     assert not {"residual growth", "representation collapse"} & kinds(post)
 
 
@@ -250,13 +251,13 @@ def test_batchnorm_drift(tmp_path: Path, shift: float) -> None:
     if shift:
         (flag,) = [f for f in rep.flags if f.kind == "batchnorm drift"]
         assert "bn_mean_drift" in flag.message and "val_bn_mean_drift" in flag.message
-        assert drift.last > rp.BN_MEAN_DRIFT_LIMIT
+        assert drift.last > bn_stats.LIMITS["mean_drift"]
         assert drift.last == pytest.approx(
             dict(read_events(str(run)).scalars["normprobe/bn_mean_drift/bn"])[30]
         )
     else:
         assert rep.flags == []
-        assert drift.last < rp.BN_MEAN_DRIFT_LIMIT / 5
+        assert drift.last < bn_stats.LIMITS["mean_drift"] / 5
 
 
 def test_logit_blow_up(tmp_path: Path, lm_run: Path) -> None:
@@ -271,19 +272,21 @@ def test_logit_blow_up(tmp_path: Path, lm_run: Path) -> None:
     model = TinyTransformer(depth=2, width=32, context=16)
     rep = rp.report(train(tmp_path, model, tokens, lm_loss, 9, 2, lr=0.0, before=grow))
     flags = {f.stack: f for f in rep.flags if f.kind == "logit blow-up"}
-    assert flags["model"].value == rep.row("model", "logits/max_abs").last > rp.LOGIT_LIMIT
+    assert flags["model"].value == rep.row("model", "logits/max_abs").last > logits.LIMIT
     assert "x its value at step 0" in flags["model"].message  # 2**8 = 256x, past 100x
     assert flags["blocks"].value == rep.row("blocks", "attn_logit_max[max]").last
-    assert flags["blocks"].value > rp.ATTN_LOGIT_LIMIT
+    assert flags["blocks"].value > attn_logits.LIMIT
     healthy = rp.report(lm_run)
     assert "logit blow-up" not in kinds(healthy)
-    assert healthy.row("model", "logits/max_abs").last < rp.LOGIT_LIMIT / 10
+    assert healthy.row("model", "logits/max_abs").last < logits.LIMIT / 10
 
 
 # --- the picture -------------------------------------------------------------------------------
 def test_png_of_depth_profiles(tmp_path: Path, lm_run: Path) -> None:
     rep = rp.report(lm_run)
-    assert set(rep.profiles) == {f"{f}/blocks" for f in rp.BLOCK_FAMILIES}
+    assert set(rep.profiles) == {
+        f"{name}/blocks" for name, s in SERIES.items() if s.shape == "block"
+    }
     step, values = rep.profiles["resid_rms/blocks"][-1]
     assert step == 8 and values == pytest.approx(
         [

@@ -146,6 +146,33 @@ def get_by_key(obj: Any, key: Key) -> Any:
     return obj
 
 
+def replace_at(obj: Any, key: Key, value: Any) -> Any:
+    """A copy of nested tuples, lists and dicts ``obj`` with the entry at ``key`` replaced."""
+    if not key:
+        return value
+    head, rest = key[0], key[1:]
+    if isinstance(obj, tuple):
+        return tuple(replace_at(v, rest, value) if i == head else v for i, v in enumerate(obj))
+    if isinstance(obj, list):
+        return [replace_at(v, rest, value) if i == head else v for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        return {k: replace_at(v, rest, value) if k == head else v for k, v in obj.items()}
+    return obj
+
+
+def first_float(obj: Any) -> torch.Tensor | None:
+    """The first floating-point tensor in nested tuples, lists and dicts (or ``obj`` itself)."""
+    first = obj  # the common case, a tensor first in (args, kwargs), without a generator
+    while isinstance(first, tuple | list) and first:
+        first = first[0]
+    if isinstance(first, torch.Tensor) and first.is_floating_point():
+        return first
+    for _, t in iter_tensors(obj):
+        if t.is_floating_point():
+            return t
+    return None
+
+
 @dataclass
 class Call:
     """One call of one module during the traced forward."""

@@ -1,0 +1,65 @@
+"""The metric families: one file each, listed here in the order the dashboard shows them.
+
+A family declares what it reads on the `normprobe.ModelMap`, how it reduces on the device,
+the tags it writes (`normprobe.tags`), how `normprobe report` summarizes and flags them, and
+its thresholds. `METRICS`, the TensorBoard layout, `report`'s table and flags, and the
+thresholds `diagnose` compares against all come from here.
+"""
+
+from __future__ import annotations
+
+from .attn_logits import AttnLogits
+from .base import Family, Flag, Series
+from .bn_stats import BnStats
+from .grad_norm import GradNorm
+from .logits import Logits
+from .nonfinite import NonFinite
+from .norm_gain import NormGain
+from .norm_rms import NormRms
+from .resid_cos import ResidCos
+from .resid_rms import ResidRms
+from .update_ratio import UpdateRatio
+
+# most telling first: the dashboard and the report's rows follow this order
+FAMILIES: tuple[Family, ...] = (
+    ResidRms(),
+    GradNorm(),
+    ResidCos(),
+    AttnLogits(),
+    Logits(),
+    UpdateRatio(),
+    NormRms(),
+    NormGain(),
+    BnStats(),
+    NonFinite(),
+)
+METRICS: dict[str, str] = {f.name: f.description for f in FAMILIES}
+SERIES: dict[str, Series] = {s.name: s for f in FAMILIES for s in f.series}
+_OWNER: dict[str, Family] = {s.name: f for f in FAMILIES for s in f.series}
+
+
+def family(name: str) -> Family:
+    """The family called ``name``; ValueError lists the names there are."""
+    for f in FAMILIES:
+        if f.name == name:
+            return f
+    raise ValueError(f"unknown metric {name!r}; choose from {sorted(METRICS)}")
+
+
+def owner(series: str) -> Family | None:
+    """The family that writes ``series`` (a tag's second segment)."""
+    return _OWNER.get(series)
+
+
+def chosen(metrics: object) -> tuple[str, ...]:
+    """Family names from a user's ``metrics=`` (None: all), checked."""
+    if metrics is None:
+        return tuple(METRICS)
+    names = [metrics] if isinstance(metrics, str) else list(metrics)  # type: ignore[call-overload]
+    unknown = [m for m in names if m not in METRICS]
+    if unknown:
+        raise ValueError(f"unknown metric(s) {unknown}; choose from {sorted(METRICS)}")
+    return tuple(names)
+
+
+__all__ = ["FAMILIES", "METRICS", "SERIES", "Family", "Flag", "Series", "chosen", "family", "owner"]

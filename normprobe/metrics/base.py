@@ -1,0 +1,299 @@
+"""What a metric family is, and the interfaces it works through.
+
+A family (one file in this package) declares its name, what it measures, the series it writes
+and how `report` reduces each over blocks; its `Family.plan` asks the runtime for reads and
+slots through `Plan`, and turns the host values of a logged step into tags through `Out`; its
+`Family.flags` reads a finished run back (`Run`). Thresholds live beside the code that uses
+them, in the family's file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol
+
+import torch
+from torch import nn
+
+from ..discovery import Attention, ModelMap, NormLayer, Stack
+from ..tags import Tag
+
+Reduce = Literal["mean", "rms", "max", "min", "sum"]
+Reader = Callable[[torch.Tensor], None]
+# how `report` turns a series into one number per step and stack
+RowReduce = Literal["last", "deep", "mean", "max", "value"]
+Shape = Literal["block", "stack", "module", "model"]
+
+
+@dataclass(frozen=True)
+class Series:
+    """One series of tags a family writes.
+
+    Attributes:
+        name: the series, the second segment of its tags (`normprobe.tags`).
+        shape: ``block`` (``<stack>/<block>``), ``stack`` (``<stack>``), ``module``
+            (``<stack>/<block>.<layer>`` or a path) or ``model`` (a statistic's name).
+        row: how `report` reduces it to one value per step and stack: the ``last`` block,
+            the ``deep`` half's mean, the ``mean`` or ``max`` over blocks or modules, or the
+            one ``value``.
+        first_block: per-block series: the first block that has a value (``resid_cos``: 1,
+            block 0 has no predecessor).
+    """
+
+    name: str
+    shape: Shape
+    row: RowReduce = "value"
+    first_block: int = 0
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one statistic lives in a logged step's packed vector, and how ranks combine it."""
+
+    offset: int
+    size: int
+    reduce: Reduce
+
+
+class Measured(Protocol):
+    """The device tensors a logged step has measured so far."""
+
+    def put(self, slot: Slot, value: torch.Tensor) -> None:
+        """The whole slot (a scalar, or ``slot.size`` values)."""
+
+    def put_max(self, slot: Slot, value: torch.Tensor) -> None:
+        """A scalar slot: the maximum of what is put there during the step."""
+
+    def put_at(self, positions: Sequence[int], values: torch.Tensor) -> None:
+        """``values[i]`` at absolute position ``positions[i]`` of the packed vector."""
+
+
+class Plan(Protocol):
+    """What a family asks of the runtime when a probe is installed on a mapped model."""
+
+    model_map: ModelMap
+    modules: Mapping[str, nn.Module]
+    modules_in_order: Sequence[str]  # every module's path, in ``model.modules()`` order
+    norms: Sequence[NormLayer]  # the norm layers measured (at most max_block_tags per position)
+    attention: Sequence[Attention]  # likewise for attention modules
+    param_reduce: Reduce  # "mean", or "sum" when every rank holds a shard of the parameters
+    compiled: bool  # the hooks stay registered and must not change a compiled graph
+    measured: Measured
+
+    def slot(self, size: int, reduce: Reduce) -> Slot: ...
+
+    def read(
+        self,
+        module: str,
+        hook: Literal["pre", "post"],
+        action: Reader,
+        *,
+        call: int = 0,
+        key: tuple[str | int, ...] | None = None,
+    ) -> None:
+        """Hand ``action`` a tensor at a module boundary on the given call of a logged forward:
+        the one at ``key`` of its inputs (pre) or output (post), else the first float one."""
+
+    def read_add(self, module: str, call: int, index: int, action: Reader) -> None:
+        """Hand ``action`` the result of the ``index``-th tensor add inside ``module``."""
+
+    def read_attention(self, module: str, action: Reader) -> None:
+        """Hand ``action`` the max |attention logit| of each attention product in ``module``."""
+
+    def read_outputs(self, action: Callable[[int, Any], None]) -> None:
+        """Hand ``action(index, output)`` every module's output (index: in ``modules()``)."""
+
+    def at_forward_start(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when a logged forward starts: a step's last forward is the one that counts."""
+
+    def at_forward_end(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when a logged forward ends (also one that raised)."""
+
+    def before_step(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on a logged step before the optimizer step (gradients are complete)."""
+
+    def after_step(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on a logged step after the optimizer step."""
+
+    def at_flush(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` before a logged step's values are packed."""
+
+    def on_clear(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when what the step measured is dropped (written, or lost to an error)."""
+
+    def on_record(self, fn: Callable[[Values, Out], None]) -> None:
+        """Run ``fn`` with the step's host values to write its tags."""
+
+    def shared(self, key: str, make: Callable[[], Any]) -> Any:
+        """One object per probe under ``key``, made on first use: reads two families share."""
+
+    def stacks(self) -> Sequence[Stack]:
+        """The stacks whose blocks have weights of their own (not a block run N times)."""
+
+    def module_tag(self, path: str) -> str:
+        """A module's subject in tags: ``<stack>/<block>.<layer>`` inside a block, else its
+        path (`normprobe.tags`)."""
+
+    def stack_name(self, path: str) -> str:
+        """A stack's subject in tags."""
+
+
+class Values(Protocol):
+    """A logged step's values on the host."""
+
+    validation: bool  # the values of a validation forward (BatchNorm only)
+
+    def get(self, slot: Slot) -> list[float] | None:
+        """The slot's values, or None when it was not measured on this step."""
+
+    def measured(self, slot: Slot) -> dict[int, float]:
+        """The values of the slot's positions that were measured, by index in the slot."""
+
+
+class Out(Protocol):
+    """A logged step's tags, as a family writes them."""
+
+    step: int
+    writes: bool  # this process writes (global rank zero): warn here, once
+
+    def scalar(self, series: str, subject: str, value: float) -> None:
+        """One scalar, tagged ``normprobe/<series>/<subject>``."""
+
+    def text(self, series: str, subject: str, text: str) -> None: ...
+
+    def per_block(self, series: str, stack: str, values: Mapping[int, float]) -> None:
+        """A per-block series of a stack: tags for up to max_block_tags evenly spread blocks,
+        and the depth profile (one value per block, NaN where none was measured)."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """Something in a run that crossed a threshold.
+
+    Attributes:
+        kind: ``residual growth``, ``representation collapse``, ``nan onset``,
+            ``batchnorm drift``, ``logit blow-up``, ``top-heavy gradients`` or
+            ``bottom-heavy gradients``.
+        stack: the stack (or ``"model"``) it concerns.
+        step: the logged step the evidence comes from.
+        value: the measured value that crossed ``threshold``.
+        threshold: the limit it was compared against (a constant of the family's file).
+        message: the evidence and a suggestion, in a sentence or two.
+    """
+
+    kind: str
+    stack: str
+    step: int
+    value: float
+    threshold: float
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.kind}] {self.stack} at step {self.step}: {self.message}"
+
+
+Points = list[tuple[int, float]]
+MODEL = "model"  # the report's group of tags that belong to no stack (logits, ln_f, nonfinite)
+
+
+@dataclass(frozen=True)
+class RunTag:
+    """A tag of a run as `report` groups it: by stack (or `MODEL`) and module."""
+
+    tag: str
+    parsed: Tag
+    stack: str
+    module: str  # per-module series: the module's subject in the tag, else ""
+
+
+class Run(Protocol):
+    """A finished run's event files, as families read them back."""
+
+    @property
+    def scalars(self) -> Mapping[str, Points]: ...
+
+    @property
+    def texts(self) -> Mapping[str, list[tuple[int, str]]]: ...
+
+    @property
+    def tags(self) -> Sequence[RunTag]: ...
+
+
+class Family:
+    """A metric family: subclass it in a file of its own and list it in `normprobe.metrics`."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    series: ClassVar[tuple[Series, ...]]
+    validation: ClassVar[bool] = False  # also measured on a validation forward
+
+    def plan(self, plan: Plan) -> None:
+        """Ask for reads and slots on a mapped model; register how the step's values become
+        tags (`Plan.on_record`)."""
+        raise NotImplementedError
+
+    def flags(self, run: Run) -> list[Flag]:
+        """What in a finished run crossed this family's thresholds."""
+        return []
+
+
+def last_finite(points: Points) -> tuple[int, float] | None:
+    """The last (step, value) with a finite value."""
+    finite = [(s, v) for s, v in points if math.isfinite(v)]
+    return finite[-1] if finite else None
+
+
+class Batch:
+    """Tensors read during a logged forward, reduced a chunk at a time by one batched call.
+
+    A chunk of ``size`` tensors is reduced as soon as it is full, so that at most that many
+    activations are held; what is left is reduced when the forward ends. Of several forwards
+    in a step (gradient accumulation) the last one's values count.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        reduce_many: Callable[[list[torch.Tensor]], torch.Tensor],
+        publish: Callable[[list[int], torch.Tensor], None] | None = None,
+        size: int = 32,
+    ) -> None:
+        self.reduce_many = reduce_many
+        self.publish = plan.measured.put_at if publish is None else publish
+        self.size = size
+        self.positions: list[int] = []
+        self.tensors: list[torch.Tensor] = []
+        self.done: list[tuple[list[int], torch.Tensor]] = []
+        plan.at_forward_start(self.clear)
+        plan.at_forward_end(self.drain)
+        plan.at_flush(self._publish)
+        plan.on_clear(self.clear)
+
+    def add(self, position: int, t: torch.Tensor) -> None:
+        self.positions.append(position)
+        self.tensors.append(t.detach())
+        if len(self.tensors) >= self.size:
+            self.drain()
+
+    def drain(self) -> None:
+        if self.tensors:
+            self.done.append((list(self.positions), self.reduce_many(self.tensors)))
+            # in place: a compiled graph's guards see the same lists at every forward
+            self.positions.clear()
+            self.tensors.clear()
+
+    def _publish(self) -> None:
+        """Hand the forward's values over: positions and values of every chunk, concatenated."""
+        if self.done:
+            positions = [p for chunk, _ in self.done for p in chunk]
+            values = (
+                self.done[0][1] if len(self.done) == 1 else torch.cat([v for _, v in self.done])
+            )
+            self.publish(positions, values)
+
+    def clear(self) -> None:
+        self.positions.clear()
+        self.tensors.clear()
+        self.done.clear()

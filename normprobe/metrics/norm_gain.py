@@ -1,0 +1,71 @@
+"""``norm_gain``: the learned gain of each norm layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import probes
+from .base import Family, Out, Plan, Series, Slot, Values
+
+
+@dataclass
+class _GainGroup:
+    """Norms whose weights share shape, dtype, device and gain offset: reduced in one go."""
+
+    offset: float
+    modules: list[nn.Module] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # their (mean, std) slot positions
+
+
+class NormGain(Family):
+    name = "norm_gain"
+    description = "mean and std of each norm layer's effective gain (1 + weight for Gemma's norms)"
+    series = (Series("norm_gain_mean", "module", "mean"), Series("norm_gain_std", "module", "mean"))
+
+    def plan(self, plan: Plan) -> None:
+        sharded = plan.param_reduce == "sum"  # shards of any size: moments, summed over ranks
+        groups: dict[tuple[Any, ...], _GainGroup] = {}
+        slots: list[tuple[str, Slot]] = []
+        for n in plan.norms:
+            w = getattr(plan.modules[n.path], "weight", None)
+            if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+                continue
+            slot = plan.slot(3 if sharded else 2, plan.param_reduce)
+            slots.append((plan.module_tag(n.path), slot))
+            offset = float(n.gain_offset or 0)
+            group = groups.setdefault((w.numel(), w.dtype, w.device, offset), _GainGroup(offset))
+            group.modules.append(plan.modules[n.path])
+            group.positions.extend(range(slot.offset, slot.offset + slot.size))
+
+        def read() -> None:
+            with torch.no_grad():
+                for g in groups.values():
+                    weights = [_weight(m) for m in g.modules]  # read now: FSDP swaps them
+                    if sharded:
+                        stats = torch.stack([probes.gain_moments(w, g.offset) for w in weights])
+                    else:
+                        stacked = torch.stack([w.reshape(-1) for w in weights])
+                        stats = probes.gain_stats(stacked, g.offset)
+                    plan.measured.put_at(g.positions, stats.reshape(-1))
+
+        def record(values: Values, out: Out) -> None:
+            for subject, slot in slots:
+                vals = values.get(slot)
+                if vals is None:
+                    continue
+                mean, std = probes.gain_from_moments(*vals) if sharded else vals
+                out.scalar("norm_gain_mean", subject, mean)
+                out.scalar("norm_gain_std", subject, std)
+
+        plan.before_step(read)
+        plan.on_record(record)
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight

@@ -1,0 +1,84 @@
+"""``resid_cos``: whether consecutive blocks still change the representation."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from .. import probes
+from .base import Family, Flag, Out, Plan, Run, Series, Values
+from .streams import Streams, rowwise
+
+# Representation collapse (the lecture, seed 004): consecutive blocks' streams nearly parallel.
+COLLAPSE_COS = 0.95
+# The lecture measures collapse over depth; below 4 blocks there is no deep half to speak of.
+COLLAPSE_MIN_DEPTH = 4
+
+
+class ResidCos(Family):
+    name = "resid_cos"
+    description = (
+        "cosine similarity of consecutive blocks' residual streams along the feature "
+        "axis, averaged over positions; near 1 when blocks stop changing the representation"
+    )
+    # the mean over the deep half of the blocks: what collapse looks at
+    series = (Series("resid_cos", "block", "deep", first_block=1),)
+
+    def plan(self, plan: Plan) -> None:
+        streams = Streams.of(plan)
+        streams.cosines = True
+        depth = {s.path: s.depth for s in plan.model_map.stacks}
+        slots = {stack: plan.slot(depth[stack], "mean") for stack in streams.blocks}
+
+        def finish() -> None:
+            for stack, reads in streams.reads.items():
+                pairs = [r for r in reads if r.dots is not None]
+                if pairs and stack in slots:
+                    rows = [[r.dots, r.prev_norms, r.norms] for r in pairs]
+                    cosines = rowwise(probes.cosines_from_rows, rows)  # type: ignore[arg-type]
+                    plan.measured.put_at([slots[stack].offset + r.block for r in pairs], cosines)
+
+        def record(values: Values, out: Out) -> None:
+            for stack, slot in slots.items():
+                blocks = values.measured(slot)
+                if blocks:
+                    out.per_block("resid_cos", stack, blocks)
+
+        plan.at_flush(finish)
+        plan.on_record(record)
+
+    def flags(self, run: Run) -> list[Flag]:
+        found = []
+        stacks = sorted({t.stack for t in run.tags if t.parsed.series == "resid_cos"})
+        for stack in stacks:
+            cos = [t for t in run.tags if t.parsed.series == "resid_cos" and t.stack == stack]
+            depth = max(t.parsed.block or 0 for t in cos) + 1
+            if depth < COLLAPSE_MIN_DEPTH:
+                continue
+            step = max(s for t in cos for s, _ in run.scalars[t.tag])
+            deep = {
+                t.parsed.block or 0: v
+                for t in cos
+                if (t.parsed.block or 0) >= depth // 2
+                for s, v in run.scalars[t.tag]
+                if s == step and math.isfinite(v)
+            }
+            if not deep:
+                continue
+            mean = statistics.fmean(deep.values())
+            if mean <= COLLAPSE_COS:
+                continue
+            found.append(
+                Flag(
+                    "representation collapse",
+                    stack,
+                    step,
+                    mean,
+                    COLLAPSE_COS,
+                    f"consecutive blocks' streams have cosine {mean:.3f} > {COLLAPSE_COS} on "
+                    f"average over blocks {min(deep)}..{max(deep)} (the deep half): those blocks "
+                    "barely change the representation (typical of Pre-LN, whose stream outgrows "
+                    "each block's write); consider DeepNorm, sandwich norms or branch scaling",
+                )
+            )
+        return found

@@ -1,0 +1,104 @@
+"""The residual stream after each block, read once for the families that use it
+(``resid_rms``, ``resid_cos``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .. import probes
+from .base import Plan
+
+
+@dataclass
+class StreamRead:
+    """One block's stream on a logged forward, reduced to its per-position norms (and for
+    cosines, its dot products with the previous block's stream)."""
+
+    block: int
+    numel: int
+    norms: torch.Tensor
+    dots: torch.Tensor | None = None
+    prev_norms: torch.Tensor | None = None
+
+
+class Streams:
+    """Reads the stream each block's last residual add leaves (after a Post-LN norm).
+
+    Get it with ``Streams.of(plan)``; ``reads[stack]`` holds a logged forward's reads.
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        self.cosines = False
+        self.reads: dict[str, list[StreamRead]] = {}
+        self.blocks: dict[str, list[int]] = {}  # the blocks read, per stack
+        self._prev: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        plan.at_forward_start(self._clear)
+        plan.on_clear(self._clear)
+        plan.at_forward_end(self._prev.clear)
+        model_map = plan.model_map
+        for stack in model_map.stacks:
+            last = {a.block: a for a in model_map.adds_in(stack.path) if a.block is not None}
+            for block, add in sorted(last.items()):
+                action = self._reader(stack.path, block)
+                self.blocks.setdefault(stack.path, []).append(block)
+                if add.post_norm is not None:
+                    plan.read(add.post_norm, "post", action)
+                elif add.anchor is None:
+                    continue
+                elif add.anchor.hook == "inside":
+                    plan.read_add(
+                        add.anchor.module, add.anchor.call, int(add.anchor.key[0]), action
+                    )
+                else:
+                    hook: Literal["pre", "post"] = "pre" if add.anchor.hook == "pre" else "post"
+                    plan.read(
+                        add.anchor.module, hook, action, call=add.anchor.call, key=add.anchor.key
+                    )
+
+    @staticmethod
+    def of(plan: Plan) -> Streams:
+        streams: Streams = plan.shared("streams", lambda: Streams(plan))
+        return streams
+
+    def _clear(self) -> None:
+        # in place: a compiled graph's guards see the same objects at every forward
+        for reads in self.reads.values():
+            reads.clear()
+        self._prev.clear()
+
+    def _reader(self, stack: str, block: int) -> Callable[[torch.Tensor], None]:
+        reads = self.reads.setdefault(stack, [])
+
+        def read(t: torch.Tensor) -> None:
+            t = t.detach()
+            here = StreamRead(block, t.numel(), probes.row_norms(t))
+            reads.append(here)
+            if not self.cosines:
+                return
+            prev = self._prev.get(stack)
+            if prev is not None and prev[0] == block - 1 and prev[1].shape == t.shape:
+                here.dots, here.prev_norms = probes.row_dots(prev[1], t), prev[2]
+            self._prev[stack] = (block, t, here.norms)
+
+        return read
+
+
+def rowwise(
+    fn: Callable[..., torch.Tensor], rows: Sequence[Sequence[torch.Tensor]]
+) -> torch.Tensor:
+    """``fn`` of the rows' columns stacked (one result per row), or row by row when the rows'
+    shapes differ."""
+    if len({tuple(t.shape for t in row) for row in rows}) == 1:
+        return fn(*(torch.stack(column) for column in zip(*rows, strict=True)))
+    return torch.stack([fn(*row) for row in rows])
+
+
+def stream_rms(reads: Sequence[StreamRead]) -> torch.Tensor:
+    """Each read stream's RMS, from its per-position norms."""
+    if len({(r.numel, r.norms.shape) for r in reads}) == 1:
+        return probes.rms_from_row_norms(torch.stack([r.norms for r in reads]), reads[0].numel)
+    return torch.stack([probes.rms_from_row_norms(r.norms, r.numel) for r in reads])

@@ -1,0 +1,82 @@
+"""``update_ratio``: how far the optimizer step moves each block's weights."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import probes
+from .base import Family, Out, Plan, Series, Values
+from .params import BlockParams
+
+# The ratio compares parameters across the step: a copy of at most this fraction of each
+# parameter is kept (and at least SAMPLE_MIN entries, the whole of smaller ones).
+SAMPLE_FRACTION = 0.005
+SAMPLE_MIN = 4096
+
+
+def sample_budget(numel: int) -> int:
+    return max(SAMPLE_MIN, int(numel * SAMPLE_FRACTION))
+
+
+class UpdateRatio(Family):
+    name = "update_ratio"
+    description = (
+        "||new - old|| / ||old|| of each block's parameters across the optimizer "
+        f"step (exact up to {SAMPLE_MIN} entries per tensor; beyond, from an evenly strided "
+        f"sample of {SAMPLE_FRACTION:.1%} of the entries, so the copy it needs stays small)"
+    )
+    series = (Series("update_ratio", "block", "mean"),)
+
+    def plan(self, plan: Plan) -> None:
+        params = BlockParams.of(plan)
+        if not params.params:
+            return
+        stacks = plan.stacks()
+        change_slots = {s.path: plan.slot(s.depth, plan.param_reduce) for s in stacks}
+        old_slots = {s.path: plan.slot(s.depth, plan.param_reduce) for s in stacks}
+        strides = [probes.sample_stride(p.shape, sample_budget(p.numel())) for p in params.params]
+        weights: dict[torch.device, torch.Tensor] = {}
+        before: list[torch.Tensor] = []
+
+        def keep() -> None:
+            with torch.no_grad():
+                before[:] = probes.strided_samples(params.params, strides)
+
+        def measure() -> None:
+            if not before:
+                return
+            device = before[0].device
+            if device not in weights:
+                weights[device] = torch.tensor(strides, dtype=torch.float32, device=device)
+            with torch.no_grad():
+                change, old = probes.update_squares(
+                    params.params,
+                    strides,
+                    before,
+                    weights[device],
+                    params.index(device),
+                    params.count,
+                )
+            before.clear()
+            for stack, blocks in params.blocks.items():
+                plan.measured.put(change_slots[stack], change[blocks])
+                plan.measured.put(old_slots[stack], old[blocks])
+
+        def record(values: Values, out: Out) -> None:
+            for stack, slot in change_slots.items():
+                change, old = values.get(slot), values.get(old_slots[stack])
+                if change is None or old is None:
+                    continue
+                ratios = {
+                    b: math.sqrt(c / o)
+                    for b, (c, o) in enumerate(zip(change, old, strict=True))
+                    if o > 0
+                }
+                out.per_block("update_ratio", stack, ratios)
+
+        plan.before_step(keep)
+        plan.after_step(measure)
+        plan.on_clear(before.clear)  # a step ended without an optimizer step: nothing to compare
+        plan.on_record(record)

@@ -1,0 +1,107 @@
+"""The probe runtime: hooks at the places discovery found, a logging schedule, and statistics
+kept on the device until one transfer per logged step.
+
+On a step that is not logged every hook returns at once: no statistic is computed, no tensor is
+kept, nothing is read back. On a logged step, hooks reduce what they see to float32 scalars on
+the device; after the optimizer step those are concatenated and copied to the host in one go.
+What is measured is declared by the metric families (`normprobe.metrics`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..common import is_writer
+from ..metrics import METRICS
+from ..sinks import Sink, TensorBoardSink
+from .hooks import InertHook, ProbeHook
+from .plan import tagged_paths
+from .probe import Probe, attached_probe
+
+
+def attach(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    log_dir: str | None = None,
+    writer: Any = None,
+    sinks: Sequence[Sink] = (),
+    every: int = 50,
+    metrics: Iterable[str] | None = None,
+    example_inputs: tuple[Any, ...] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    max_block_tags: int = 64,
+) -> Probe:
+    """Attach a probe that logs the model's norm, residual and gradient statistics.
+
+    The model is mapped with `normprobe.discover` on ``example_inputs`` if given, else on its
+    first forward. Every ``every``-th step (the first included) is logged to TensorBoard under
+    ``normprobe/<metric family>/...``, with a custom-scalars layout and depth histograms.
+
+    Metrics (all by default; choose with ``metrics=[...]``):
+
+    {metrics}
+
+    Args:
+        model: the model to watch.
+        optimizer: its optimizer; steps advance with ``optimizer.step()`` and gradients are read
+            just before it. Without one, call ``probe.step()`` after each step.
+        log_dir: where to write TensorBoard event files.
+        writer: an existing ``SummaryWriter`` to write to instead (left open on removal).
+        sinks: where else records go (`normprobe.Sink`, e.g. `normprobe.MemorySink`). Given
+            without ``log_dir`` or ``writer``, no TensorBoard files are written.
+        every: log every this many steps.
+        metrics: names from ``normprobe.METRICS``.
+        example_inputs, example_kwargs: inputs to map the model now instead of on its first
+            forward.
+        max_block_tags: deeper stacks get scalar tags for this many evenly spread blocks only
+            (depth histograms always hold every block); norm and attention layers repeated
+            more often (``blocks.*.ln_1``) are measured at this many evenly spread ones.
+
+    Returns:
+        A `Probe`, also a context manager; ``probe.remove()`` is idempotent.
+
+    Raises:
+        ValueError: unknown metric names or a bad ``every``.
+        RuntimeError: a probe is already attached to the model.
+
+    Example::
+
+        with normprobe.attach(model, optimizer=opt, log_dir="runs/a", every=50):
+            for x, y in loader:
+                loss = F.cross_entropy(model(x), y)
+                loss.backward(); opt.step(); opt.zero_grad()
+    """
+    probe = Probe(  # checks the arguments before any file is created
+        model,
+        optimizer=optimizer,
+        every=every,
+        metrics=metrics,
+        max_block_tags=max_block_tags,
+        sinks=sinks,
+    )
+    try:
+        # under torch.distributed, rank 0 alone opens event files
+        if is_writer() and (not sinks or log_dir is not None or writer is not None):
+            probe.sinks.insert(0, TensorBoardSink(writer=writer, log_dir=log_dir))
+        if example_inputs is not None or example_kwargs is not None:
+            probe.discover_now(*(example_inputs or ()), **(example_kwargs or {}))
+        else:
+            probe.discover_lazily()
+    except BaseException:
+        probe.remove()
+        raise
+    return probe
+
+
+if attach.__doc__:
+    attach.__doc__ = attach.__doc__.replace(
+        "{metrics}", "\n    ".join(f"* ``{k}``: {v}." for k, v in METRICS.items())
+    )
+
+
+__all__ = ["METRICS", "InertHook", "Probe", "ProbeHook", "attach", "attached_probe", "tagged_paths"]

@@ -1,0 +1,141 @@
+"""The hooks a probe registers: callbacks that turn inert in a copy of the model, and the
+per-module reads that metric families asked for."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from ..discovery.trace import first_float, get_by_key
+from .modes import AddCounter, AttentionLogits
+
+Reader = Callable[[torch.Tensor], None]
+Registration = Callable[[], RemovableHandle]
+
+
+class InertHook:
+    """What a probe's hook becomes in a copy of the model: does nothing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class ProbeHook:
+    """A probe callback registered on a module or optimizer.
+
+    Pickling, deep-copying or ``torch.save``-ing the model turns it into an `InertHook`: a
+    copy of a probed model does not carry the probe (or its event writer) along.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return InertHook, ()
+
+
+@dataclass
+class Read:
+    """Read one tensor at a module boundary on a given call and hand it to ``action``."""
+
+    call: int
+    key: tuple[str | int, ...] | None  # None: the first floating-point tensor
+    action: Reader
+
+    def __call__(self, container: Any) -> None:
+        t = first_float(container) if self.key is None else get_by_key(container, self.key)
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            self.action(t)
+
+
+@dataclass
+class Site:
+    """Everything read at one module."""
+
+    pre: list[Read] = field(default_factory=list)
+    post: list[Read] = field(default_factory=list)
+    inside: dict[int, dict[int, Reader]] = field(default_factory=dict)  # call -> add -> reader
+    attention: list[Reader] = field(default_factory=list)
+
+
+class Hooks:
+    """The reads of every site, and what registers them (`registrations`).
+
+    ``recording()`` says whether the current forward is logged; a module's calls are counted
+    from the start of each recorded forward (`start`).
+    """
+
+    def __init__(self, recording: Callable[[], bool]) -> None:
+        self.recording = recording
+        self.sites: dict[str, Site] = {}
+        self.calls: dict[str, int] = {}
+        self.modes: dict[str, list[TorchFunctionMode]] = {}  # entered, by module
+
+    def at(self, path: str) -> Site:
+        return self.sites.setdefault(path, Site())
+
+    def start(self) -> None:
+        self.calls.clear()
+
+    def entered(self) -> list[TorchFunctionMode]:
+        """The modes still entered (a forward that raised midway), forgotten here."""
+        modes = [mode for modes in self.modes.values() for mode in modes]
+        self.modes.clear()
+        return modes
+
+    def registrations(self, modules: dict[str, nn.Module], compiled: bool) -> list[Registration]:
+        if compiled:
+            # torch function modes would break a compiled graph: no attention logits, and no
+            # residual read from inside a forward, on compiled models
+            for site in self.sites.values():
+                site.attention, site.inside = [], {}
+        return [
+            r for path, site in self.sites.items() for r in self._site(modules[path], site, path)
+        ]
+
+    def _site(self, module: nn.Module, site: Site, path: str) -> list[Registration]:
+        def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not self.recording():
+                return
+            call = self.calls[path] = self.calls.get(path, -1) + 1
+            for read in site.pre:
+                if read.call == call:
+                    read((args, kwargs))
+            modes: list[TorchFunctionMode] = []
+            if site.inside.get(call):
+                modes.append(AddCounter(site.inside[call]))
+            for action in site.attention:
+                modes.append(AttentionLogits(action))
+            for mode in modes:
+                mode.__enter__()  # type: ignore[no-untyped-call]
+            if modes:
+                self.modes[path] = modes
+
+        def post(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+            for mode in reversed(self.modes.pop(path, [])):
+                mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            if not self.recording():
+                return
+            call = self.calls.get(path, 0)
+            for read in site.post:
+                if read.call == call:
+                    read(out)
+
+        return [
+            partial(module.register_forward_pre_hook, ProbeHook(pre), with_kwargs=True),
+            partial(
+                module.register_forward_hook, ProbeHook(post), with_kwargs=True, always_call=True
+            ),
+        ]

@@ -1,0 +1,176 @@
+"""Torch function modes a probe enters inside one module call on logged steps: reading the n-th
+residual add of a forward, and the attention logits a module forms."""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import (
+    TorchFunctionMode,
+    _get_current_function_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
+
+from .. import probes
+from ..discovery.attention import LOGIT_MASK_OPS, LOGIT_OPS, LOGIT_SCALE_OPS
+from ..discovery.trace import ADD_OPS, MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, iter_tensors
+
+
+class AddCounter(TorchFunctionMode):
+    """Active inside one module call on logged steps: reads the n-th tensor add it sees."""
+
+    def __init__(self, targets: dict[int, Callable[[torch.Tensor], None]]) -> None:
+        super().__init__()
+        self.targets = targets
+        self.count = 0
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        if (
+            name in ADD_OPS
+            and len(args) >= 2
+            and isinstance(args[0], torch.Tensor)
+            and isinstance(args[1], torch.Tensor)
+        ):
+            action = self.targets.get(self.count)
+            if action is not None and isinstance(out, torch.Tensor):
+                action(out)
+            self.count += 1
+        return out
+
+
+# (the q·k product or what it became, its max |logit| once a mask or bias met it, the constant
+# factor applied since)
+_Logits = tuple["weakref.ref[torch.Tensor]", torch.Tensor | None, torch.Tensor | float]
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+
+
+class AttentionLogits(TorchFunctionMode):
+    """Active inside one attention module on logged steps: max |logit| as the module forms its
+    logits from q and k, additive masks and biases left out.
+
+    Eager attention: each product of a matmul of two tensors is followed through `LOGIT_OPS`;
+    its max |.| is taken where a mask or bias first meets it (at the softmax if none does),
+    times the constant factors applied after that, and read when a softmax takes it. Fused
+    attention: from q and k (`probes.sdpa_logit_max`); ``nn.MultiheadAttention``: from its
+    input and in-projection weights (`probes.mha_logit_max`).
+    """
+
+    def __init__(self, action: Callable[[torch.Tensor], None]) -> None:
+        super().__init__()
+        self.action = action
+        self.logits: dict[int, _Logits] = {}  # by id of the tensor
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in SDPA_OPS and len(args) >= 2:
+            self.action(
+                probes.sdpa_logit_max(
+                    args[0],
+                    args[1],
+                    attn_mask=kwargs.get("attn_mask", args[3] if len(args) > 3 else None),
+                    is_causal=bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False)),
+                    scale=kwargs.get("scale", args[6] if len(args) > 6 else None),
+                )
+            )
+        elif name == "multi_head_attention_forward":
+            self.action(_mha_logit_max(args, kwargs))
+        found = self._find(args, kwargs) if self.logits else None
+        best: torch.Tensor | None = None
+        factor: torch.Tensor | float = 1.0
+        if found is not None:
+            t, best, factor = found
+            if best is None and (name in SOFTMAX_OPS or name in LOGIT_MASK_OPS):
+                best = probes.abs_max(t)  # before the op: an in-place mask overwrites t
+            if best is not None and name in SOFTMAX_OPS:
+                self.action(best * factor)
+        out = func(*args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            return out
+        if name in MATMUL_OPS:
+            operands = [t for _, t in iter_tensors(args) if not isinstance(t, nn.Parameter)]
+            if len(operands) >= 2:
+                self.logits[id(out)] = (weakref.ref(out), None, 1.0)
+        elif found is not None and name in LOGIT_OPS:
+            if best is not None and name in LOGIT_SCALE_OPS:
+                factor = _scaled(factor, name, args, found[0])
+            self.logits[id(out)] = (weakref.ref(out), best, factor)
+        elif found is not None and out is found[0]:  # changed in place into something else
+            del self.logits[id(out)]
+        return out
+
+    def _find(
+        self, args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | float] | None:
+        """The first argument on its way from a q·k product, with its state."""
+        for _, t in iter_tensors((args, kwargs)):
+            entry = self.logits.get(id(t))
+            if entry is not None and entry[0]() is t:
+                return t, entry[1], entry[2]
+        return None
+
+
+def _scaled(
+    factor: torch.Tensor | float, name: str, args: Sequence[Any], logits: torch.Tensor
+) -> torch.Tensor | float:
+    """``factor`` times |c| for ``logits * c`` (divided for ``logits / c``), c a number or a
+    one-element tensor; unchanged for other operands."""
+    others = [a for a in args if a is not logits]
+    if len(others) != 1:
+        return factor
+    c = others[0]
+    if isinstance(c, torch.Tensor) and c.numel() == 1:
+        c = c.detach().float().abs().reshape(())  # stays on the device: no host sync
+    elif isinstance(c, int | float) and not isinstance(c, bool):
+        c = abs(c)
+    else:
+        return factor
+    return factor / c if name.startswith(("div", "__truediv__", "__itruediv__")) else factor * c
+
+
+def _mha_logit_max(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor:
+    """`probes.mha_logit_max` from the arguments of ``F.multi_head_attention_forward``."""
+    bound = _MHA_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    e = a["query"].shape[-1]
+    if a["use_separate_proj_weight"]:
+        w_q, w_k = a["q_proj_weight"], a["k_proj_weight"]
+    else:
+        w_q, w_k = a["in_proj_weight"][:e], a["in_proj_weight"][e : 2 * e]
+    b = a["in_proj_bias"]
+    b_q, b_k = (None, None) if b is None else (b[:e], b[e : 2 * e])
+    return probes.mha_logit_max(
+        a["query"], a["key"], a["num_heads"], w_q, b_q, w_k, b_k, a["bias_k"], a["static_k"]
+    )
+
+
+def exit_modes(modes: Iterable[TorchFunctionMode]) -> None:
+    """Take the modes a forward that raised midway left entered off torch's mode stack.
+
+    By identity, wherever they sit: after a KeyboardInterrupt other modes may have been
+    entered above them (or theirs left), so popping the top could remove someone else's.
+    """
+    stale = {id(mode) for mode in modes}
+    if not stale:
+        return
+    stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    if not any(id(mode) in stale for mode in stack):
+        return
+    popped = [_pop_mode() for _ in stack]  # type: ignore[no-untyped-call]
+    for mode in reversed(popped):
+        if id(mode) not in stale:
+            _push_mode(mode)  # type: ignore[no-untyped-call]

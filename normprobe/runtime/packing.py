@@ -1,0 +1,143 @@
+"""A logged step's statistics as one float32 vector: the slot layout, what was measured on the
+device, the one transfer to the host, and the combination across ranks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..metrics.base import Reduce, Slot
+
+
+class Layout:
+    """Each statistic's place in the packed vector, fixed at install, the same on every rank."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.positions: dict[Reduce, list[int]] = {}  # how ranks combine each position
+        self._index: tuple[torch.device, dict[Reduce, torch.Tensor]] | None = None
+
+    def slot(self, size: int, reduce: Reduce) -> Slot:
+        slot = Slot(self.size, size, reduce)
+        self.positions.setdefault(reduce, []).extend(range(self.size, self.size + size))
+        self.size += size
+        return slot
+
+    def reduce_index(self, device: torch.device) -> dict[Reduce, torch.Tensor]:
+        if self._index is None or self._index[0] != device:
+            index = {k: torch.tensor(v, device=device) for k, v in self.positions.items()}
+            self._index = (device, index)
+        return self._index[1]
+
+
+class Measurements:
+    """What the current logged step measured, still on the device."""
+
+    def __init__(self) -> None:
+        self.whole: dict[int, tuple[Slot, torch.Tensor]] = {}  # by slot offset
+        self.parts: list[tuple[Sequence[int], torch.Tensor]] = []
+
+    def put(self, slot: Slot, value: torch.Tensor) -> None:
+        self.whole[slot.offset] = (slot, value)
+
+    def put_max(self, slot: Slot, value: torch.Tensor) -> None:
+        old = self.whole.get(slot.offset)
+        self.whole[slot.offset] = (slot, value if old is None else torch.maximum(old[1], value))
+
+    def put_at(self, positions: Sequence[int], values: torch.Tensor) -> None:
+        self.parts.append((positions, values))
+
+    def clear(self) -> None:
+        self.whole.clear()
+        self.parts.clear()
+
+    def pack(self, device: torch.device) -> tuple[list[int], torch.Tensor]:
+        """Everything as one float32 vector on ``device``, and each value's position."""
+        scalar_positions: list[int] = []
+        scalars: list[torch.Tensor] = []
+        positions: list[int] = []
+        vectors: list[torch.Tensor] = []
+        for slot, value in self.whole.values():
+            if value.dim() == 0:
+                scalar_positions.append(slot.offset)
+                scalars.append(value)
+            else:
+                positions += range(slot.offset, slot.offset + slot.size)
+                vectors.append(value.reshape(-1))
+        for where, value in self.parts:
+            positions += where
+            vectors.append(value)
+        pieces = ([torch.stack(_moved(scalars, device))] if scalars else []) + vectors
+        if not pieces:
+            return [], torch.zeros(0, device=device)
+        return scalar_positions + positions, torch.cat(_moved(pieces, device)).float()
+
+
+class HostValues:
+    """A logged step's values on the host (`normprobe.metrics.base.Values`)."""
+
+    def __init__(self, values: list[float], present: list[float], validation: bool) -> None:
+        self.values = values
+        self.present = present
+        self.validation = validation
+
+    def get(self, slot: Slot) -> list[float] | None:
+        if not self.present[slot.offset]:
+            return None
+        return self.values[slot.offset : slot.offset + slot.size]
+
+    def measured(self, slot: Slot) -> dict[int, float]:
+        start = slot.offset
+        return {i: self.values[start + i] for i in range(slot.size) if self.present[start + i]}
+
+
+def to_host(
+    positions: list[int], packed: torch.Tensor, total: int
+) -> tuple[list[float], list[float]]:
+    """(values, present) in the full layout, with the one device-to-host transfer."""
+    values, present = [0.0] * total, [0.0] * total
+    for position, value in zip(positions, packed.tolist(), strict=True):
+        values[position], present[position] = value, 1.0
+    return values, present
+
+
+def combine_ranks(
+    positions: list[int], packed: torch.Tensor, layout: Layout
+) -> tuple[list[float], list[float]]:
+    """Every rank's values in the full layout, each with a presence flag per value (so that a
+    measured NaN stays a NaN), combined across ranks in one collective and one transfer."""
+    import torch.distributed as dist
+
+    total = layout.size
+    index = torch.tensor(positions, dtype=torch.long, device=packed.device)
+    full = torch.cat(
+        [
+            packed.new_zeros(total).index_copy_(0, index, packed),
+            packed.new_zeros(total).index_fill_(0, index, 1.0),
+        ]
+    )
+    gathered = [torch.empty_like(full) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, full)  # the one collective of a logged step
+    ranks = torch.stack(gathered)
+    values, present = ranks[:, :total], ranks[:, total:] > 0.5
+    count = present.sum(dim=0)
+    kept = torch.where(present, values, torch.zeros((), device=values.device))
+    mean_of = count.clamp_min(1)
+    combined = {
+        "mean": kept.sum(dim=0) / mean_of,
+        "rms": (kept.pow(2).sum(dim=0) / mean_of).sqrt(),
+        "sum": kept.sum(dim=0),
+        "max": values.masked_fill(~present, -math.inf).amax(dim=0),
+        "min": values.masked_fill(~present, math.inf).amin(dim=0),
+    }
+    out = torch.zeros(total, device=values.device)
+    for kind, where in layout.reduce_index(packed.device).items():
+        out[where] = combined[kind][where]
+    host = torch.cat([out, (count > 0).float()]).tolist()  # the one transfer
+    return host[:total], host[total:]
+
+
+def _moved(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    return [t if t.device == device else t.to(device) for t in tensors]

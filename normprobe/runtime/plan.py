@@ -1,0 +1,235 @@
+"""What the families asked for on one model (`normprobe.metrics.base.Plan`), and how a step's
+host values become a `Record` (`normprobe.metrics.base.Out`)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
+from typing import Any, Literal
+
+from torch import nn
+
+from .. import tags
+from ..common import spread
+from ..discovery import Attention, ModelMap, NormLayer, Stack
+from ..metrics.base import Family, Measured, Out, Reader, Reduce, Slot, Values
+from ..sinks import Record
+from .hooks import Hooks, ProbeHook, Read, Registration
+from .packing import Layout
+
+Callback = Callable[[], None]
+Recorder = Callable[[Values, Out], None]
+EVENTS = ("forward_start", "forward_end", "before_step", "after_step", "flush", "clear")
+
+
+def tagged_paths(paths: Iterable[str], cap: int) -> set[str]:
+    """Module paths that get their own scalar tags, at most ``cap`` per group of paths that
+    differ only in their indices (``blocks.{0..999}.ln_1``), spread evenly like blocks."""
+    groups: dict[tuple[str, ...], list[tuple[tuple[int, ...], str]]] = {}
+    for path in paths:
+        parts = path.split(".")
+        template = tuple("#" if part.isdigit() else part for part in parts)
+        index = tuple(int(part) for part in parts if part.isdigit())
+        groups.setdefault(template, []).append((index, path))
+    kept: set[str] = set()
+    for members in groups.values():
+        members.sort()
+        kept.update(members[i][1] for i in spread(len(members), cap))
+    return kept
+
+
+class ProbePlan:
+    """The reads, slots and callbacks of every chosen family on one mapped model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        model_map: ModelMap,
+        *,
+        hooks: Hooks,
+        measured: Measured,
+        max_block_tags: int,
+        param_reduce: Reduce,
+        compiled: bool,
+        name_prefix: str,
+    ) -> None:
+        self.model = model
+        self.model_map = model_map
+        self.modules: Mapping[str, nn.Module] = dict(model.named_modules(remove_duplicate=False))
+        self.modules_in_order: Sequence[str] = [path for path, _ in model.named_modules()]
+        # norm and attention statistics of deep models: scalar tags for at most
+        # max_block_tags layers of each kind (blocks.*.ln_1), the rest is not read
+        kept = tagged_paths([n.path for n in model_map.norms], max_block_tags)
+        self.norms: Sequence[NormLayer] = [n for n in model_map.norms if n.path in kept]
+        kept = tagged_paths([a.path for a in model_map.attention], max_block_tags)
+        self.attention: Sequence[Attention] = [a for a in model_map.attention if a.path in kept]
+        self.param_reduce = param_reduce
+        self.compiled = compiled
+        self.measured = measured
+        self.hooks = hooks
+        self.layout = Layout()
+        self.name_prefix = name_prefix
+        self.max_block_tags = max_block_tags
+        self.callbacks: dict[str, list[tuple[Family, Callback]]] = {e: [] for e in EVENTS}
+        self.recorders: list[tuple[Family, Recorder]] = []
+        self.outputs: list[Callable[[int, Any], None]] = []
+        self._shared: dict[str, Any] = {}
+        self._family: Family | None = None
+        self.depth = {s.path: s.depth for s in model_map.stacks}
+        self._blocks = {  # each block of a stack with weights of its own, as tags name it
+            block: f"{self.stack_name(s.path)}/{tags.block_label(b, s.depth)}"
+            for s in self.stacks()
+            for b, block in enumerate(s.blocks)
+        }
+
+    def install(self, families: Iterable[Family]) -> None:
+        for family in families:
+            self._family = family
+            family.plan(self)
+        self._family = None
+
+    # what families call ------------------------------------------------------------------------
+    def slot(self, size: int, reduce: Reduce) -> Slot:
+        return self.layout.slot(size, reduce)
+
+    def read(
+        self,
+        module: str,
+        hook: Literal["pre", "post"],
+        action: Reader,
+        *,
+        call: int = 0,
+        key: tuple[str | int, ...] | None = None,
+    ) -> None:
+        site = self.hooks.at(module)
+        (site.pre if hook == "pre" else site.post).append(Read(call, key, action))
+
+    def read_add(self, module: str, call: int, index: int, action: Reader) -> None:
+        self.hooks.at(module).inside.setdefault(call, {})[index] = action
+
+    def read_attention(self, module: str, action: Reader) -> None:
+        self.hooks.at(module).attention.append(action)
+
+    def read_outputs(self, action: Callable[[int, Any], None]) -> None:
+        self.outputs.append(action)
+
+    def at_forward_start(self, fn: Callback) -> None:
+        self._on("forward_start", fn)
+
+    def at_forward_end(self, fn: Callback) -> None:
+        self._on("forward_end", fn)
+
+    def before_step(self, fn: Callback) -> None:
+        self._on("before_step", fn)
+
+    def after_step(self, fn: Callback) -> None:
+        self._on("after_step", fn)
+
+    def at_flush(self, fn: Callback) -> None:
+        self._on("flush", fn)
+
+    def on_clear(self, fn: Callback) -> None:
+        self._on("clear", fn)
+
+    def on_record(self, fn: Recorder) -> None:
+        assert self._family is not None, "on_record is called from a family's plan"
+        self.recorders.append((self._family, fn))
+
+    def shared(self, key: str, make: Callable[[], Any]) -> Any:
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
+
+    def stacks(self) -> Sequence[Stack]:
+        # a repeated block (one module run N times) has one set of weights: no per-block value
+        return [s for s in self.model_map.stacks if not s.repeated]
+
+    def module_tag(self, path: str) -> str:
+        parts = path.split(".")
+        for i in range(len(parts) - 1, 0, -1):  # the innermost block holding the module
+            block = self._blocks.get(".".join(parts[:i]))
+            if block is not None:
+                return f"{block}.{_unwrapped('.'.join(parts[i:]))}"
+        return self._name(path)
+
+    def stack_name(self, path: str) -> str:
+        return self._name(path)
+
+    # what the probe calls -----------------------------------------------------------------------
+    def run(self, event: str, validation: bool = False) -> None:
+        for family, fn in self.callbacks[event]:
+            if family.validation or not validation:
+                fn()
+
+    def registrations(self, recording: Callable[[], bool]) -> list[Registration]:
+        plan = self.hooks.registrations(dict(self.modules), self.compiled)
+        for action in self.outputs:
+            for index, m in enumerate(self.model.modules()):
+                plan.append(
+                    partial(
+                        m.register_forward_hook, ProbeHook(_output_reader(index, action, recording))
+                    )
+                )
+        return plan
+
+    def record(self, values: Values, step: int, writes: bool) -> Record:
+        out = RecordOut(Record(step), writes, self)
+        for family, fn in self.recorders:
+            if family.validation or not values.validation:
+                fn(values, out)
+        return out.record
+
+    def _on(self, event: str, fn: Callback) -> None:
+        assert self._family is not None, "callbacks are registered from a family's plan"
+        self.callbacks[event].append((self._family, fn))
+
+    def _name(self, path: str) -> str:
+        """A module path as tags show it: under ``name_prefix``, ``root`` for the model."""
+        return _unwrapped(self.name_prefix + path) or "root"
+
+
+class RecordOut:
+    """Writes a family's values into a `Record` (`normprobe.metrics.base.Out`)."""
+
+    def __init__(self, record: Record, writes: bool, plan: ProbePlan) -> None:
+        self.record = record
+        self.step = record.step
+        self.writes = writes
+        self._plan = plan
+
+    def scalar(self, series: str, subject: str, value: float) -> None:
+        self.record.scalars[f"{tags.PREFIX}/{series}/{subject}"] = value
+
+    def text(self, series: str, subject: str, text: str) -> None:
+        self.record.texts[f"{tags.PREFIX}/{series}/{subject}"] = text
+
+    def per_block(self, series: str, stack: str, values: Mapping[int, float]) -> None:
+        depth = self._plan.depth[stack]
+        name = self._plan.stack_name(stack)
+        scalars = self.record.scalars
+        for b in spread(depth, self._plan.max_block_tags):
+            if b in values:
+                scalars[tags.format(series, name, b, depth=depth)] = values[b]
+        self.record.profiles[tags.format(series, name)] = [
+            values.get(b, math.nan) for b in range(depth)
+        ]
+
+
+def _output_reader(
+    index: int, action: Callable[[int, Any], None], recording: Callable[[], bool]
+) -> Callable[..., None]:
+    def read(mod: nn.Module, args: Any, out: Any) -> None:
+        if recording():
+            action(index, out)
+
+    return read
+
+
+def _unwrapped(path: str) -> str:
+    """A module path without the wrappers FSDP1 and activation checkpointing insert."""
+    return _WRAPPERS.sub("", path).rstrip(".")
+
+
+_WRAPPERS = re.compile(r"(?<![^.])(?:_fsdp_wrapped_module|_checkpoint_wrapped_module)(?:\.|$)")

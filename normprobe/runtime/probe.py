@@ -1,0 +1,363 @@
+"""The probe's lifecycle: when a step is logged, arming and removing hooks, one transfer per
+logged step, ranks, and the sinks."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .. import probes, tags
+from ..common import is_writer, world_size
+from ..discovery import DiscoveryWarning, ModelMap, discover
+from ..metrics import chosen, family
+from ..metrics.base import Reduce
+from ..sinks import Record, Sink
+from .hooks import Hooks, ProbeHook, Registration
+from .modes import exit_modes
+from .packing import HostValues, Measurements, combine_ranks, to_host
+from .plan import ProbePlan
+
+
+class Probe:
+    """Hooks on one model that log normalization, residual and gradient statistics.
+
+    Create it with `normprobe.attach`. Steps advance with the optimizer's step (or `step`
+    without an optimizer); step 0 and every step with ``step % every == phase`` are logged.
+    Between logged steps only the root module carries a hook; the reading hooks are registered
+    when a logged forward starts and removed when it ends. With ``persistent_hooks`` they stay
+    registered and return at once on other steps (what a compiled model needs: no hook added
+    later). Drivers that count steps themselves (the Lightning and Hugging Face callbacks) call
+    `begin_step`, `before_optimizer_step` and `end_step`, and pass what only they know as the
+    underscored arguments: how ranks combine parameter statistics (``"sum"`` when each holds
+    a shard), the step phase of their logging schedule, and a prefix for module names.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        sinks: Sequence[Sink] = (),
+        every: int = 50,
+        metrics: Iterable[str] | None = None,
+        max_block_tags: int = 64,
+        start_step: int = 0,
+        persistent_hooks: bool = False,
+        _param_reduce: Reduce = "mean",
+        _phase: int = 0,
+        _name_prefix: str = "",
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__qualname__}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"`every` must be a positive integer number of steps, got {every!r}")
+        if max_block_tags < 2:
+            raise ValueError(f"`max_block_tags` must be at least 2, got {max_block_tags}")
+        if attached_probe(model) is not None:
+            raise RuntimeError(
+                f"a normprobe probe is already attached to this {type(model).__name__}; call "
+                "probe.remove() on it first (or keep using it: one probe logs every metric)"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.sinks = list(sinks)
+        self.every = every
+        self.metrics = chosen(metrics)
+        self.max_block_tags = max_block_tags
+        self.step_count = start_step
+        self.phase = _phase % every
+        self.name_prefix = _name_prefix
+        self.param_reduce: Reduce = _param_reduce
+        self.persistent_hooks = persistent_hooks
+        self.paused = False
+        self.model_map: ModelMap | None = None
+        self.latest: Record | None = None
+        self._plan: ProbePlan | None = None
+        self._measured = Measurements()
+        self._hooks = Hooks(lambda: self._recording)
+        self._registrations: list[Registration] = []
+        self._armed: list[RemovableHandle] = []
+        self._logged = self._is_logged(start_step)
+        self._recording = False
+        self._validating = False
+        self._removed = False
+        self._step_depth = 0  # optimizer step hooks entered, not yet left (_before_optimizer)
+        self._handles = [model.register_forward_pre_hook(ProbeHook(self._root_pre))]
+        if optimizer is not None:
+            self._handles.append(
+                optimizer.register_step_pre_hook(ProbeHook(self._before_optimizer))
+            )
+            self._handles.append(
+                optimizer.register_step_post_hook(ProbeHook(self._after_optimizer))
+            )
+
+    # set-up ------------------------------------------------------------------------------------
+    def discover_now(self, *args: Any, **kwargs: Any) -> None:
+        """Map the model on these inputs and install the hooks."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DiscoveryWarning)  # one summary warning instead
+            model_map = discover(self.model, *args, **kwargs)
+        self._install(model_map)
+
+    def discover_lazily(self) -> None:
+        """Map the model on its first real forward, then record that forward already."""
+
+        def first(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self._discovery_hook.remove()
+            self.discover_now(*args, **kwargs)
+            self.start_forward()
+
+        self._discovery_hook = self.model.register_forward_pre_hook(
+            ProbeHook(first), with_kwargs=True, prepend=True
+        )
+        self._handles.append(self._discovery_hook)
+
+    def _install(self, model_map: ModelMap) -> None:
+        if self.param_reduce == "mean" and probes.is_sharded(self.model):
+            self.param_reduce = "sum"  # FSDP: each rank holds a shard of the parameters
+        plan = ProbePlan(
+            self.model,
+            model_map,
+            hooks=self._hooks,
+            measured=self._measured,
+            max_block_tags=self.max_block_tags,
+            param_reduce=self.param_reduce,
+            compiled=self.persistent_hooks,
+            name_prefix=self.name_prefix,
+        )
+        plan.install(family(name) for name in self.metrics)
+        root_post = ProbeHook(self._root_post)  # last: after every read of the root's output
+        self._registrations = [
+            *plan.registrations(lambda: self._recording),
+            lambda: self.model.register_forward_hook(root_post, always_call=True),
+        ]
+        self.model_map, self._plan = model_map, plan
+        if self.persistent_hooks or self._logged:
+            self._arm()
+        _warn_missing(model_map, self.metrics)
+
+    # the schedule ------------------------------------------------------------------------------
+    def _is_logged(self, step: int) -> bool:
+        return step == 0 or step % self.every == self.phase
+
+    def _root_pre(self, *_: Any) -> None:
+        # no forward runs inside an optimizer step's hooks but a closure's (LBFGS): a count
+        # left by a step that raised must not swallow the next step
+        self._step_depth = 0
+        self.start_forward()
+
+    def start_forward(self) -> None:
+        """A forward of the model starts now: record it if the step is logged.
+
+        The probe calls it from a hook on the model; a driver whose own hook runs first (and
+        attaches the probe there) calls it for that forward.
+        """
+        if self._recording and not self.persistent_hooks:
+            # the last recorded forward never reached its end (a KeyboardInterrupt skips even
+            # always_call hooks): drop what it measured and the modes it left entered
+            self._clear()
+        if self.persistent_hooks:
+            # Compiled models: every forward runs the same hooks on the same Python state, so
+            # the graph never changes; only the logged steps' values are read back.
+            self._recording = self._plan is not None and not self._removed
+            self._clear()
+        else:
+            wanted = self._validating or (self._logged and not self.paused)
+            self._recording = wanted and not self._removed and self._plan is not None
+        if self._recording and self._plan is not None:
+            # of several forwards in a step (accumulation), the last counts
+            self._hooks.start()
+            self._plan.run("forward_start")
+            if not self.persistent_hooks:
+                self._arm()
+
+    def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
+        self._validating = False
+        if self._plan is not None and self._recording:
+            self._plan.run("forward_end")
+        if out is None and sys.exc_info()[0] is not None and not self.persistent_hooks:
+            # the forward raised (torch runs always_call hooks with no output): what it
+            # measured must not mix with a retried forward's; what earlier steps logged is
+            # put on disk, in case this ends the training
+            self._clear()
+            if is_writer():
+                for sink in self.sinks:
+                    sink.flush()
+        if not self.persistent_hooks:
+            self._recording = False
+            exit_modes(self._hooks.entered())
+            if self.every > 1:  # logging every step: keep the hooks for the next one
+                self._disarm()
+
+    def _clear(self) -> None:
+        self._measured.clear()
+        exit_modes(self._hooks.entered())
+        if self._plan is not None:
+            self._plan.run("clear")
+
+    def _arm(self) -> None:
+        """Register the reading hooks (once; a no-op while armed)."""
+        if not self._armed:
+            self._armed = [register() for register in self._registrations]
+
+    def _disarm(self) -> None:
+        for handle in self._armed:
+            handle.remove()
+        self._armed = []
+
+    # An optimizer subclass whose step() calls super().step() runs the step hooks twice, nested
+    # (torch wraps every class's step): only the outermost pair is one training step.
+    def _before_optimizer(self, *_: Any) -> None:
+        self._step_depth += 1
+        if self._step_depth == 1:
+            self.before_optimizer_step()
+
+    def _after_optimizer(self, *_: Any) -> None:
+        self._step_depth = max(self._step_depth - 1, 0)
+        if self._step_depth == 0:
+            self.end_step()
+            self.begin_step(self.step_count + 1)
+
+    def begin_step(self, step: int) -> None:
+        """Start training step ``step`` (for drivers that count steps themselves).
+
+        A logged step gets its hooks now, before its forward starts: a hook added to the root
+        module while the root's own hooks run would miss that call.
+        """
+        self.step_count = step
+        self._logged = self._is_logged(step)
+        if self._logged and self._plan is not None and not self._removed:
+            self._arm()
+
+    def before_optimizer_step(self) -> None:
+        """Read gradients and gains, and keep what the update ratio compares against."""
+        if self._logged and self._plan is not None:
+            self._plan.run("before_step")
+
+    def end_step(self) -> None:
+        """After the optimizer step: measure the update and write the step (if logged)."""
+        if self._logged and self._plan is not None:
+            self._plan.run("after_step")
+            self.flush()
+
+    def validate_next_forward(self) -> None:
+        """Record BatchNorm statistics on the next forward; `flush_validation` writes them."""
+        self._validating = True
+        if self._plan is not None and not self._removed:
+            self._arm()
+
+    def flush_validation(self) -> None:
+        """Write what the validation forward measured, as ``normprobe/val_bn_*`` tags."""
+        self.flush(validation=True)
+
+    def step(self) -> None:
+        """End a step by hand (training without an optimizer passed to `attach`).
+
+        On a logged step, reads the gradients present now and writes the step's statistics.
+        """
+        if self.optimizer is not None:
+            raise RuntimeError(
+                "this probe advances with its optimizer's step(); don't call probe.step() too"
+            )
+        if self._logged and self._plan is not None:
+            self._plan.run("before_step")
+            self.flush()
+        self.begin_step(self.step_count + 1)
+
+    # writing -------------------------------------------------------------------------------------
+    def flush(self, validation: bool = False) -> None:
+        """Copy the step's statistics to the host (one transfer) and hand them to the sinks.
+
+        Under ``torch.distributed`` every rank must call it on the same steps: the ranks' values
+        are combined with one collective (mean of squares for RMS, max of maxima, ...), and
+        only global rank zero writes.
+        """
+        plan = self._plan
+        if plan is None:
+            return
+        plan.run("flush", validation)
+        positions, packed = self._measured.pack(self._device())
+        if world_size() > 1:
+            values, present = combine_ranks(positions, packed, plan.layout)
+        elif positions:
+            values, present = to_host(positions, packed, plan.layout.size)
+        else:
+            self._clear()
+            return
+        self._clear()
+        writes = is_writer()
+        record = plan.record(HostValues(values, present, validation), self.step_count, writes)
+        if not validation:
+            self.latest = record
+        if writes:
+            for sink in self.sinks:
+                sink.write(record)
+
+    def tag(self, series: str, module: str) -> str:
+        """The tag a per-module series (``norm_in_rms``, ``attn_logit_max``...) of the module at
+        path ``module`` is written under (`normprobe.tags`); the model must be mapped."""
+        if self._plan is None:
+            raise RuntimeError("the model is not mapped yet: run a forward, or discover_now()")
+        return tags.format(series, self._plan.module_tag(module))
+
+    def _device(self) -> torch.device:
+        for _, value in self._measured.whole.values():
+            return value.device
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
+
+    # lifetime ------------------------------------------------------------------------------------
+    def remove(self) -> None:
+        """Remove every hook, write what is pending and close what the probe opened. Idempotent."""
+        if self._removed:
+            return
+        self._removed = True
+        self._recording = False
+        exit_modes(self._hooks.entered())
+        self._disarm()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for sink in self.sinks:
+            sink.close()
+
+    @property
+    def attached(self) -> bool:
+        return not self._removed
+
+    def __enter__(self) -> Probe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def attached_probe(model: nn.Module) -> Probe | None:
+    """The probe attached to ``model`` and not removed yet, or None."""
+    for hook in model._forward_pre_hooks.values():
+        owner = getattr(getattr(hook, "fn", None), "__self__", None)
+        if isinstance(hook, ProbeHook) and isinstance(owner, Probe) and owner.attached:
+            return owner
+    return None
+
+
+def _warn_missing(model_map: ModelMap, chosen: Sequence[str]) -> None:
+    missing = []
+    if not model_map.residual_adds and {"resid_rms", "resid_cos"} & set(chosen):
+        missing.append("no residual adds (resid_rms, resid_cos)")
+    if not model_map.norms and {"norm_rms", "norm_gain"} & set(chosen):
+        missing.append("no norm layers (norm_rms, norm_gain)")
+    if not model_map.stacks and {"grad_norm", "update_ratio"} & set(chosen):
+        missing.append("no stacks of blocks (grad_norm, update_ratio)")
+    if missing and is_writer():
+        warnings.warn(
+            f"normprobe: {model_map.model_type} has {'; '.join(missing)}: "
+            "logging the other metrics",
+            DiscoveryWarning,
+            stacklevel=5,  # attach's caller (through discover_now and _install)
+        )
