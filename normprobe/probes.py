@@ -29,7 +29,7 @@ def rms(x: torch.Tensor) -> torch.Tensor:
 
 def rms_many(tensors: list[torch.Tensor]) -> torch.Tensor:
     """`rms` of each tensor, as one float32 vector, in one batched reduction."""
-    if _dtensor_type() is not None or any(t.dtype == torch.float64 for t in tensors):
+    if _any_dtensor(tensors) or any(t.dtype == torch.float64 for t in tensors):
         return torch.stack([rms(t).float() for t in tensors])
     norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     scales = [1 / math.sqrt(max(t.numel(), 1)) for t in tensors]
@@ -86,6 +86,11 @@ def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _dtensor_type() -> type[DTensor] | None:
     module = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
     return getattr(module, "DTensor", None)
+
+
+def _any_dtensor(tensors: Sequence[torch.Tensor]) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -366,7 +371,7 @@ def finite_sum(x: torch.Tensor) -> torch.Tensor:
 def finite_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A float32 value per tensor that is NaN or Inf exactly when the tensor holds one (the
     sum of its absolute values), in one batched reduction."""
-    if _dtensor_type() is not None:
+    if _any_dtensor(tensors):
         return torch.stack([finite_sum(t.abs()) for t in tensors])
     return _stacked(torch._foreach_norm(tensors, 1, dtype=torch.float32))
 

@@ -19,6 +19,7 @@ from .norm_rms import NormRms
 from .resid_cos import ResidCos
 from .resid_rms import ResidRms
 from .update_ratio import UpdateRatio
+from .weight_rms import WeightRms
 
 # most telling first: the dashboard and the report's rows follow this order
 FAMILIES: tuple[Family, ...] = (
@@ -28,6 +29,7 @@ FAMILIES: tuple[Family, ...] = (
     AttnLogits(),
     Logits(),
     UpdateRatio(),
+    WeightRms(),
     NormRms(),
     NormGain(),
     BnStats(),

@@ -228,6 +228,8 @@ class Family:
     description: ClassVar[str]
     series: ClassVar[tuple[Series, ...]]
     validation: ClassVar[bool] = False  # also measured on a validation forward
+    # what the model lacks when the family finds nothing to read (warned at attach), or None
+    requires: ClassVar[str | None] = None
 
     def plan(self, plan: Plan) -> None:
         """Ask for reads and slots on a mapped model; register how the step's values become

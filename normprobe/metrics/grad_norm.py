@@ -21,6 +21,7 @@ BOTTOM_LIMIT = 0.25
 
 class GradNorm(Family):
     name = "grad_norm"
+    requires = "no stacks of blocks"
     description = (
         "L2 norm of each block's parameter gradients just before the optimizer step "
         "(after accumulation and AMP unscaling); per stack also the top/bottom ratio "

@@ -10,6 +10,7 @@ from .base import Batch, Family, Out, Plan, Series, Values
 
 class NormRms(Family):
     name = "norm_rms"
+    requires = "no norm layers"
     description = "RMS of each norm layer's input and output"
     series = (Series("norm_in_rms", "module", "mean"), Series("norm_out_rms", "module", "mean"))
 

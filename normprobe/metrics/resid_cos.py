@@ -17,6 +17,7 @@ COLLAPSE_MIN_DEPTH = 4
 
 class ResidCos(Family):
     name = "resid_cos"
+    requires = "no residual adds in a stack of blocks"
     description = (
         "cosine similarity of consecutive blocks' residual streams along the feature "
         "axis, averaged over positions; near 1 when blocks stop changing the representation"

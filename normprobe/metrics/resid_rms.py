@@ -25,6 +25,7 @@ MIN_DEPTH = 4
 
 class ResidRms(Family):
     name = "resid_rms"
+    requires = "no residual adds in a stack of blocks"
     description = (
         "RMS of the residual stream after each block (the output of the block's last "
         "residual add, or of the norm right after it in Post-LN); per stack also its growth "

@@ -22,6 +22,7 @@ def sample_budget(numel: int) -> int:
 
 class UpdateRatio(Family):
     name = "update_ratio"
+    requires = "no stacks of blocks"
     description = (
         "||new - old|| / ||old|| of each block's parameters across the optimizer "
         f"step (exact up to {SAMPLE_MIN} entries per tensor; beyond, from an evenly strided "

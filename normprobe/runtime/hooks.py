@@ -139,3 +139,56 @@ class Hooks:
                 module.register_forward_hook, ProbeHook(post), with_kwargs=True, always_call=True
             ),
         ]
+
+
+class Armed:
+    """The reading hooks: registered by `arm` (once; a no-op while armed), removed by `disarm`."""
+
+    def __init__(self) -> None:
+        self.registrations: list[Registration] = []
+        self.handles: list[RemovableHandle] = []
+
+    def arm(self) -> None:
+        if not self.handles:
+            self.handles = [register() for register in self.registrations]
+
+    def disarm(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+class OptimizerSteps:
+    """Calls ``before`` and ``after`` around each step of ``optimizer``, once per step.
+
+    An optimizer subclass whose step() calls super().step() runs the step hooks twice, nested
+    (torch wraps every class's step): only the outermost pair is one training step.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        before: Callable[[], None],
+        after: Callable[[], None],
+    ) -> None:
+        self.depth = 0  # step hooks entered, not yet left
+        self.before, self.after = before, after
+        self.handles = [
+            optimizer.register_step_pre_hook(ProbeHook(self._pre)),
+            optimizer.register_step_post_hook(ProbeHook(self._post)),
+        ]
+
+    def forward_started(self) -> None:
+        # no forward runs inside an optimizer step's hooks but a closure's (LBFGS): a count
+        # left by a step that raised must not swallow the next step
+        self.depth = 0
+
+    def _pre(self, *_: Any) -> None:
+        self.depth += 1
+        if self.depth == 1:
+            self.before()
+
+    def _post(self, *_: Any) -> None:
+        self.depth = max(self.depth - 1, 0)
+        if self.depth == 0:
+            self.after()

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..common import world_size
 from ..metrics.base import Reduce, Slot
 
 
@@ -54,7 +55,11 @@ class Measurements:
         self.parts.clear()
 
     def pack(self, device: torch.device) -> tuple[list[int], torch.Tensor]:
-        """Everything as one float32 vector on ``device``, and each value's position."""
+        """Everything as one float32 vector (on the device of what was measured, else
+        ``device``), and each value's position."""
+        for _, value in self.whole.values():
+            device = value.device
+            break
         scalar_positions: list[int] = []
         scalars: list[torch.Tensor] = []
         positions: list[int] = []
@@ -91,6 +96,19 @@ class HostValues:
     def measured(self, slot: Slot) -> dict[int, float]:
         start = slot.offset
         return {i: self.values[start + i] for i in range(slot.size) if self.present[start + i]}
+
+
+def read_back(
+    measured: Measurements, layout: Layout, device: torch.device, validation: bool
+) -> HostValues | None:
+    """What the step measured, on the host: one transfer (one collective and one transfer
+    under ``torch.distributed``, whose ranks all call it). None when nothing was measured."""
+    positions, packed = measured.pack(device)
+    if world_size() > 1:
+        return HostValues(*combine_ranks(positions, packed, layout), validation)
+    if not positions:
+        return None
+    return HostValues(*to_host(positions, packed, layout.size), validation)
 
 
 def to_host(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any, Literal
@@ -12,8 +13,8 @@ from typing import Any, Literal
 from torch import nn
 
 from .. import tags
-from ..common import spread
-from ..discovery import Attention, ModelMap, NormLayer, Stack
+from ..common import is_writer, spread
+from ..discovery import Attention, DiscoveryWarning, ModelMap, NormLayer, Stack
 from ..metrics.base import Family, Measured, Out, Reader, Reduce, Slot, Values
 from ..sinks import Record
 from .hooks import Hooks, ProbeHook, Read, Registration
@@ -75,6 +76,7 @@ class ProbePlan:
         self.callbacks: dict[str, list[tuple[Family, Callback]]] = {e: [] for e in EVENTS}
         self.recorders: list[tuple[Family, Recorder]] = []
         self.outputs: list[Callable[[int, Any], None]] = []
+        self.empty: list[Family] = []  # families that found nothing to read
         self._shared: dict[str, Any] = {}
         self._family: Family | None = None
         self.depth = {s.path: s.depth for s in model_map.stacks}
@@ -86,8 +88,10 @@ class ProbePlan:
 
     def install(self, families: Iterable[Family]) -> None:
         for family in families:
-            self._family = family
+            self._family, size = family, self.layout.size
             family.plan(self)
+            if self.layout.size == size:
+                self.empty.append(family)
         self._family = None
 
     # what families call ------------------------------------------------------------------------
@@ -180,6 +184,20 @@ class ProbePlan:
             if family.validation or not values.validation:
                 fn(values, out)
         return out.record
+
+    def warn_missing(self) -> None:
+        """Warn (on the writing rank) about chosen families that found nothing to read."""
+        missing: dict[str, list[str]] = {}
+        for family in self.empty:
+            if family.requires is not None:
+                missing.setdefault(family.requires, []).append(family.name)
+        if missing and is_writer():
+            listed = "; ".join(f"{why} ({', '.join(names)})" for why, names in missing.items())
+            warnings.warn(
+                f"normprobe: {self.model_map.model_type} has {listed}: logging the other metrics",
+                DiscoveryWarning,
+                stacklevel=5,  # attach's caller (through discover_now and _install)
+            )
 
     def _on(self, event: str, fn: Callback) -> None:
         assert self._family is not None, "callbacks are registered from a family's plan"

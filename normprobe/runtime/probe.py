@@ -10,17 +10,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from .. import probes, tags
-from ..common import is_writer, world_size
+from ..common import is_writer
 from ..discovery import DiscoveryWarning, ModelMap, discover
 from ..metrics import chosen, family
 from ..metrics.base import Reduce
 from ..sinks import Record, Sink
-from .hooks import Hooks, ProbeHook, Registration
+from .hooks import Armed, Hooks, OptimizerSteps, ProbeHook
 from .modes import exit_modes
-from .packing import HostValues, Measurements, combine_ranks, to_host
+from .packing import Measurements, read_back
 from .plan import ProbePlan
 
 
@@ -53,17 +52,7 @@ class Probe:
         _phase: int = 0,
         _name_prefix: str = "",
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__qualname__}")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"`every` must be a positive integer number of steps, got {every!r}")
-        if max_block_tags < 2:
-            raise ValueError(f"`max_block_tags` must be at least 2, got {max_block_tags}")
-        if attached_probe(model) is not None:
-            raise RuntimeError(
-                f"a normprobe probe is already attached to this {type(model).__name__}; call "
-                "probe.remove() on it first (or keep using it: one probe logs every metric)"
-            )
+        _check_arguments(model, every, max_block_tags)
         self.model = model
         self.optimizer = optimizer
         self.sinks = list(sinks)
@@ -81,21 +70,15 @@ class Probe:
         self._plan: ProbePlan | None = None
         self._measured = Measurements()
         self._hooks = Hooks(lambda: self._recording)
-        self._registrations: list[Registration] = []
-        self._armed: list[RemovableHandle] = []
+        self._armed = Armed()
         self._logged = self._is_logged(start_step)
         self._recording = False
         self._validating = False
         self._removed = False
-        self._step_depth = 0  # optimizer step hooks entered, not yet left (_before_optimizer)
         self._handles = [model.register_forward_pre_hook(ProbeHook(self._root_pre))]
         if optimizer is not None:
-            self._handles.append(
-                optimizer.register_step_pre_hook(ProbeHook(self._before_optimizer))
-            )
-            self._handles.append(
-                optimizer.register_step_post_hook(ProbeHook(self._after_optimizer))
-            )
+            self._steps = OptimizerSteps(optimizer, self.before_optimizer_step, self._next_step)
+            self._handles += self._steps.handles
 
     # set-up ------------------------------------------------------------------------------------
     def discover_now(self, *args: Any, **kwargs: Any) -> None:
@@ -133,23 +116,22 @@ class Probe:
         )
         plan.install(family(name) for name in self.metrics)
         root_post = ProbeHook(self._root_post)  # last: after every read of the root's output
-        self._registrations = [
+        self._armed.registrations = [
             *plan.registrations(lambda: self._recording),
             lambda: self.model.register_forward_hook(root_post, always_call=True),
         ]
         self.model_map, self._plan = model_map, plan
         if self.persistent_hooks or self._logged:
-            self._arm()
-        _warn_missing(model_map, self.metrics)
+            self._armed.arm()
+        plan.warn_missing()
 
     # the schedule ------------------------------------------------------------------------------
     def _is_logged(self, step: int) -> bool:
         return step == 0 or step % self.every == self.phase
 
     def _root_pre(self, *_: Any) -> None:
-        # no forward runs inside an optimizer step's hooks but a closure's (LBFGS): a count
-        # left by a step that raised must not swallow the next step
-        self._step_depth = 0
+        if self.optimizer is not None:
+            self._steps.forward_started()
         self.start_forward()
 
     def start_forward(self) -> None:
@@ -158,7 +140,7 @@ class Probe:
         The probe calls it from a hook on the model; a driver whose own hook runs first (and
         attaches the probe there) calls it for that forward.
         """
-        if self._recording and not self.persistent_hooks:
+        if self._recording or self.persistent_hooks:
             # the last recorded forward never reached its end (a KeyboardInterrupt skips even
             # always_call hooks): drop what it measured and the modes it left entered
             self._clear()
@@ -166,7 +148,6 @@ class Probe:
             # Compiled models: every forward runs the same hooks on the same Python state, so
             # the graph never changes; only the logged steps' values are read back.
             self._recording = self._plan is not None and not self._removed
-            self._clear()
         else:
             wanted = self._validating or (self._logged and not self.paused)
             self._recording = wanted and not self._removed and self._plan is not None
@@ -175,7 +156,7 @@ class Probe:
             self._hooks.start()
             self._plan.run("forward_start")
             if not self.persistent_hooks:
-                self._arm()
+                self._armed.arm()
 
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
         self._validating = False
@@ -193,7 +174,7 @@ class Probe:
             self._recording = False
             exit_modes(self._hooks.entered())
             if self.every > 1:  # logging every step: keep the hooks for the next one
-                self._disarm()
+                self._armed.disarm()
 
     def _clear(self) -> None:
         self._measured.clear()
@@ -201,28 +182,9 @@ class Probe:
         if self._plan is not None:
             self._plan.run("clear")
 
-    def _arm(self) -> None:
-        """Register the reading hooks (once; a no-op while armed)."""
-        if not self._armed:
-            self._armed = [register() for register in self._registrations]
-
-    def _disarm(self) -> None:
-        for handle in self._armed:
-            handle.remove()
-        self._armed = []
-
-    # An optimizer subclass whose step() calls super().step() runs the step hooks twice, nested
-    # (torch wraps every class's step): only the outermost pair is one training step.
-    def _before_optimizer(self, *_: Any) -> None:
-        self._step_depth += 1
-        if self._step_depth == 1:
-            self.before_optimizer_step()
-
-    def _after_optimizer(self, *_: Any) -> None:
-        self._step_depth = max(self._step_depth - 1, 0)
-        if self._step_depth == 0:
-            self.end_step()
-            self.begin_step(self.step_count + 1)
+    def _next_step(self) -> None:
+        self.end_step()
+        self.begin_step(self.step_count + 1)
 
     def begin_step(self, step: int) -> None:
         """Start training step ``step`` (for drivers that count steps themselves).
@@ -233,7 +195,7 @@ class Probe:
         self.step_count = step
         self._logged = self._is_logged(step)
         if self._logged and self._plan is not None and not self._removed:
-            self._arm()
+            self._armed.arm()
 
     def before_optimizer_step(self) -> None:
         """Read gradients and gains, and keep what the update ratio compares against."""
@@ -250,7 +212,7 @@ class Probe:
         """Record BatchNorm statistics on the next forward; `flush_validation` writes them."""
         self._validating = True
         if self._plan is not None and not self._removed:
-            self._arm()
+            self._armed.arm()
 
     def flush_validation(self) -> None:
         """Write what the validation forward measured, as ``normprobe/val_bn_*`` tags."""
@@ -282,17 +244,13 @@ class Probe:
         if plan is None:
             return
         plan.run("flush", validation)
-        positions, packed = self._measured.pack(self._device())
-        if world_size() > 1:
-            values, present = combine_ranks(positions, packed, plan.layout)
-        elif positions:
-            values, present = to_host(positions, packed, plan.layout.size)
-        else:
-            self._clear()
-            return
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        values = read_back(self._measured, plan.layout, device, validation)
         self._clear()
+        if values is None:
+            return
         writes = is_writer()
-        record = plan.record(HostValues(values, present, validation), self.step_count, writes)
+        record = plan.record(values, self.step_count, writes)
         if not validation:
             self.latest = record
         if writes:
@@ -306,11 +264,6 @@ class Probe:
             raise RuntimeError("the model is not mapped yet: run a forward, or discover_now()")
         return tags.format(series, self._plan.module_tag(module))
 
-    def _device(self) -> torch.device:
-        for _, value in self._measured.whole.values():
-            return value.device
-        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
-
     # lifetime ------------------------------------------------------------------------------------
     def remove(self) -> None:
         """Remove every hook, write what is pending and close what the probe opened. Idempotent."""
@@ -319,7 +272,7 @@ class Probe:
         self._removed = True
         self._recording = False
         exit_modes(self._hooks.entered())
-        self._disarm()
+        self._armed.disarm()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -337,6 +290,20 @@ class Probe:
         self.remove()
 
 
+def _check_arguments(model: nn.Module, every: int, max_block_tags: int) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__qualname__}")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"`every` must be a positive integer number of steps, got {every!r}")
+    if max_block_tags < 2:
+        raise ValueError(f"`max_block_tags` must be at least 2, got {max_block_tags}")
+    if attached_probe(model) is not None:
+        raise RuntimeError(
+            f"a normprobe probe is already attached to this {type(model).__name__}; call "
+            "probe.remove() on it first (or keep using it: one probe logs every metric)"
+        )
+
+
 def attached_probe(model: nn.Module) -> Probe | None:
     """The probe attached to ``model`` and not removed yet, or None."""
     for hook in model._forward_pre_hooks.values():
@@ -344,20 +311,3 @@ def attached_probe(model: nn.Module) -> Probe | None:
         if isinstance(hook, ProbeHook) and isinstance(owner, Probe) and owner.attached:
             return owner
     return None
-
-
-def _warn_missing(model_map: ModelMap, chosen: Sequence[str]) -> None:
-    missing = []
-    if not model_map.residual_adds and {"resid_rms", "resid_cos"} & set(chosen):
-        missing.append("no residual adds (resid_rms, resid_cos)")
-    if not model_map.norms and {"norm_rms", "norm_gain"} & set(chosen):
-        missing.append("no norm layers (norm_rms, norm_gain)")
-    if not model_map.stacks and {"grad_norm", "update_ratio"} & set(chosen):
-        missing.append("no stacks of blocks (grad_norm, update_ratio)")
-    if missing and is_writer():
-        warnings.warn(
-            f"normprobe: {model_map.model_type} has {'; '.join(missing)}: "
-            "logging the other metrics",
-            DiscoveryWarning,
-            stacklevel=5,  # attach's caller (through discover_now and _install)
-        )

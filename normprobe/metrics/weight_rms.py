@@ -1,0 +1,59 @@
+"""``weight_rms``: the size of each block's weights, and how training changes it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import probes
+from .base import Family, Out, Plan, Series, Values
+from .params import BlockParams
+
+
+class WeightRms(Family):
+    name = "weight_rms"
+    description = (
+        "RMS of each block's parameters before the optimizer step: weights growing without "
+        "bound (too little weight decay) or shrinking towards zero show here first"
+    )
+    requires = "no stacks of blocks"
+    series = (Series("weight_rms", "block", "mean"),)
+
+    def plan(self, plan: Plan) -> None:
+        params = BlockParams.of(plan)
+        if not params.params:
+            return
+        stacks = plan.stacks()
+        # sums of squares and entry counts, reduced alike across ranks (summed over shards)
+        squares = {s.path: plan.slot(s.depth, plan.param_reduce) for s in stacks}
+        counts = {s.path: plan.slot(s.depth, plan.param_reduce) for s in stacks}
+        numels: dict[torch.device, torch.Tensor] = {}
+
+        def read() -> None:
+            device = params.params[0].device
+            index = params.index(device)
+            if device not in numels:
+                sizes = [probes.local(p).numel() * probes.shard_share(p) for p in params.params]
+                numel = torch.tensor(sizes, dtype=torch.float32, device=device)
+                numels[device] = probes.group_sums(numel, index, params.count)
+            with torch.no_grad():
+                sums = probes.group_sums(probes.squared_norms(params.params), index, params.count)
+            for stack, blocks in params.blocks.items():
+                plan.measured.put(squares[stack], sums[blocks])
+                plan.measured.put(counts[stack], numels[device][blocks])
+
+        def record(values: Values, out: Out) -> None:
+            for stack, slot in squares.items():
+                total, count = values.get(slot), values.get(counts[stack])
+                if total is None or count is None:
+                    continue
+                rms = {
+                    b: math.sqrt(t / n)
+                    for b, (t, n) in enumerate(zip(total, count, strict=True))
+                    if n > 0
+                }
+                out.per_block("weight_rms", stack, rms)
+
+        plan.before_step(read)
+        plan.on_record(record)
