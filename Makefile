@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # both wheels install from the local disk in under a minute. See "Why torch 2.14.1" in the README.
 TORCH := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean gpu-check
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ lint: $(VENV)/.installed
 
 test: lint
 	$(VENV)/bin/pytest
+
+# On a machine with CUDA: the CUDA tests, the overhead and norm benchmarks, one table (< 8 min).
+gpu-check: $(VENV)/.installed
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
