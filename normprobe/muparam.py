@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import plots
 from .init import _is_weight_layer, is_transposed
 
 MupKind = Literal["hidden", "input", "output", "vector", "fixed"]
@@ -503,15 +504,36 @@ class CoordTable:
         return "\n".join(lines)
 
     def plot(self, path: str | os.PathLike[str]) -> Path:
-        """Write a PNG: one panel per step, log RMS against log width, one line per module.
+        """Write a PNG: one panel per step, log RMS against log width, one line per module."""
+        positive = [v for vs in self.rms.values() for v in vs if v > 0 and math.isfinite(v)]
+        lo = math.floor(math.log10(min(positive))) if positive else -1
+        hi = max(math.ceil(math.log10(max(positive))) if positive else 1, lo + 1)
+        xs = [math.log2(w) for w in self.widths]
 
-        Needs Pillow (installed with tensorboard).
-        """
+        def line(i: int, module: str, step: int) -> plots.Line:
+            ys = [math.log10(v) if v > 0 else math.nan for v in self.rms[(module, step)]]
+            color = plots.PALETTE[i % len(plots.PALETTE)]
+            return plots.Line(module, list(zip(xs, ys, strict=True)), color)
+
         panels = [
-            (f"step {s}", {m: list(self.rms[(m, s)]) for m in self.modules}) for s in self.steps
+            plots.Panel(
+                title=f"step {s}",
+                lines=[line(i, m, s) for i, m in enumerate(self.modules)],
+                x=(xs[0], xs[-1]),
+                y=(lo, hi),
+                xticks=[(x, str(w)) for x, w in zip(xs, self.widths, strict=True)],
+                yticks=[(e, f"1e{e}") for e in range(lo, hi + 1)],
+            )
+            for s in self.steps
         ]
-        title = f"{self.parametrization} coordinate check ({self.optimizer}, lr={self.lr:g})"
-        return _line_panels(Path(path), title, list(self.widths), panels)
+        layout = plots.Layout(
+            cell=(308, 270), columns=len(panels), box=(36, 20, 12, 30), margin=(24, 5)
+        )
+        title = (
+            f"{self.parametrization} coordinate check ({self.optimizer}, lr={self.lr:g})"
+            "   x: width, y: RMS (log scales)"
+        )
+        return plots.save(Path(path), panels, layout, title, legend_below=True)
 
 
 def coord_check(
@@ -671,85 +693,3 @@ def _loss(output: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
     if targets.is_floating_point():
         return F.mse_loss(output.float(), targets.float())
     return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten())
-
-
-# --------------------------------------------------------------------------------------------
-# PNG plot (Pillow, which tensorboard installs)
-# --------------------------------------------------------------------------------------------
-
-_COLORS = [
-    (31, 119, 180),
-    (255, 127, 14),
-    (44, 160, 44),
-    (214, 39, 40),
-    (148, 103, 189),
-    (140, 86, 75),
-    (227, 119, 194),
-    (127, 127, 127),
-    (188, 189, 34),
-    (23, 190, 207),
-]
-
-
-def _line_panels(
-    path: Path,
-    title: str,
-    widths: list[int],
-    panels: list[tuple[str, dict[str, list[float]]]],
-) -> Path:
-    """Panels side by side, log2 width on x, log10 value on y (shared), one line per series."""
-    try:
-        from PIL import Image, ImageDraw, ImageFont
-    except ImportError as err:
-        raise ImportError("CoordTable.plot needs Pillow: pip install pillow") from err
-    values = [v for _, series in panels for ys in series.values() for v in ys]
-    positive = [v for v in values if v > 0 and math.isfinite(v)]
-    lo = math.floor(math.log10(min(positive))) if positive else -1
-    hi = math.ceil(math.log10(max(positive))) if positive else 1
-    hi = max(hi, lo + 1)
-    names = list(dict.fromkeys(n for _, series in panels for n in series))
-    pw, ph, margin = 260, 220, 48
-    legend_rows = (len(names) + 2) // 3
-    size = (margin + len(panels) * (pw + margin), 40 + ph + 40 + 16 * legend_rows)
-    image = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(image)
-    font = ImageFont.load_default()
-    draw.text((margin, 10), f"{title}   x: width, y: RMS (log scales)", fill="black", font=font)
-    xs = [math.log2(w) for w in widths]
-    x_lo, x_hi = xs[0], xs[-1]
-    for k, (label, series) in enumerate(panels):
-        left, top = margin + k * (pw + margin), 40
-        draw.rectangle([left, top, left + pw, top + ph], outline="black")
-        draw.text((left + pw // 2 - 20, top - 14), label, fill="black", font=font)
-
-        def at(x: float, y: float, left: int = left, top: int = top) -> tuple[float, float]:
-            return (
-                left + (x - x_lo) / (x_hi - x_lo) * pw,
-                top + ph - (math.log10(y) - lo) / (hi - lo) * ph,
-            )
-
-        for w, x in zip(widths, xs, strict=True):
-            px, _ = at(x, 10.0**lo)
-            draw.line([px, top + ph, px, top + ph + 4], fill="black")
-            draw.text((px - 10, top + ph + 6), str(w), fill="black", font=font)
-        for e in range(lo, hi + 1):
-            _, py = at(x_lo, 10.0**e)
-            draw.line([left - 4, py, left, py], fill="black")
-            draw.text((left - 40, py - 6), f"1e{e}", fill="black", font=font)
-        for i, name in enumerate(names):
-            ys = series.get(name, [])
-            points = [at(x, y) for x, y in zip(xs, ys, strict=False) if y > 0 and math.isfinite(y)]
-            color = _COLORS[i % len(_COLORS)]
-            if len(points) > 1:
-                draw.line(points, fill=color, width=2)
-            for px, py in points:
-                draw.ellipse([px - 2, py - 2, px + 2, py + 2], fill=color)
-    legend_top = 40 + ph + 30
-    for i, name in enumerate(names):
-        x = margin + (i % 3) * 260
-        y = legend_top + (i // 3) * 16
-        draw.rectangle([x, y + 3, x + 12, y + 9], fill=_COLORS[i % len(_COLORS)])
-        draw.text((x + 18, y), name[:38], fill="black", font=font)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path, format="PNG")
-    return path

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import tags
+from . import plots, tags
+from .common import spread
 from .metrics import FAMILIES, SERIES
 from .metrics.base import MODEL, Flag, Points, RunTag
 
@@ -43,7 +44,7 @@ PREFIX = tags.PREFIX + "/"
 PANEL_SIZE = (480, 300)
 PANEL_COLUMNS = 2
 MAX_PROFILE_LINES = 6
-BACKGROUND = (255, 255, 255)
+_LAYOUT = plots.Layout(cell=PANEL_SIZE, columns=PANEL_COLUMNS, box=(58, 26, 78, 34))
 
 
 @dataclass(frozen=True)
@@ -429,29 +430,12 @@ def _profiles(
     return out
 
 
-def _chosen_steps(n: int) -> list[int]:
-    if n <= MAX_PROFILE_LINES:
-        return list(range(n))
-    return sorted({round(i * (n - 1) / (MAX_PROFILE_LINES - 1)) for i in range(MAX_PROFILE_LINES)})
-
-
-def _color(i: int, n: int) -> tuple[int, int, int]:
-    """Light blue (earliest step) to dark blue (latest)."""
-    t = 1.0 if n <= 1 else i / (n - 1)
-    light, dark = (158, 202, 225), (8, 48, 107)
-    return tuple(round(a + (b - a) * t) for a, b in zip(light, dark, strict=True))  # type: ignore[return-value]
-
-
 def png_size(panels: int) -> tuple[int, int]:
     """The size in pixels of a picture of ``panels`` depth profiles."""
-    cols = min(PANEL_COLUMNS, panels)
-    rows = -(-panels // PANEL_COLUMNS)
-    return cols * PANEL_SIZE[0], rows * PANEL_SIZE[1]
+    return _LAYOUT.size(panels)
 
 
 def _draw_profiles(rep: RunReport, path: Path) -> Path:
-    from PIL import Image, ImageDraw, ImageFont
-
     if not rep.profiles:
         raise ValueError(
             f"{rep.run_dir!r} has no depth histograms to draw: log a per-block metric "
@@ -459,31 +443,13 @@ def _draw_profiles(rep: RunReport, path: Path) -> Path:
         )
     order = list(SERIES)
     names = sorted(rep.profiles, key=lambda n: (n.split("/", 1)[1], order.index(n.split("/")[0])))
-    image = Image.new("RGB", png_size(len(names)), BACKGROUND)
-    draw = ImageDraw.Draw(image)
-    font = ImageFont.load_default()
-    for i, name in enumerate(names):
-        x0 = (i % PANEL_COLUMNS) * PANEL_SIZE[0]
-        y0 = (i // PANEL_COLUMNS) * PANEL_SIZE[1]
-        _panel(draw, font, (x0, y0), name, rep.profiles[name])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path, format="PNG")
-    return path
+    return plots.save(path, [_panel(name, rep.profiles[name]) for name in names], _LAYOUT)
 
 
-def _panel(
-    draw: Any,
-    font: Any,
-    origin: tuple[int, int],
-    name: str,
-    profiles: list[tuple[int, list[float]]],
-) -> None:
-    ox, oy = origin
-    w, h = PANEL_SIZE
-    left, right, top, bottom = ox + 58, ox + w - 78, oy + 26, oy + h - 34
+def _panel(name: str, profiles: list[tuple[int, list[float]]]) -> plots.Panel:
+    """The panel of one (metric, stack): a line per chosen step, value against block index."""
     family, stack = name.split("/", 1)
-    draw.text((ox + 8, oy + 6), f"{family}, stack {stack}", fill=(0, 0, 0), font=font)
-    chosen = [profiles[k] for k in _chosen_steps(len(profiles))]
+    chosen = [profiles[k] for k in spread(len(profiles), MAX_PROFILE_LINES)]
     values = [v for _, vs in chosen for v in vs if math.isfinite(v)]
     depth = max((len(vs) for _, vs in chosen), default=1)
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
@@ -491,38 +457,19 @@ def _panel(
         lo, hi = lo - 0.5 * max(abs(lo), 1e-3), hi + 0.5 * max(abs(hi), 1e-3)
     pad = 0.05 * (hi - lo)
     lo, hi = lo - pad, hi + pad
-
-    def sx(block: float) -> float:
-        return left + (right - left) * (block / max(depth - 1, 1))
-
-    def sy(v: float) -> float:
-        return bottom - (bottom - top) * (v - lo) / (hi - lo)
-
-    axis = (90, 90, 90)
-    draw.rectangle((left, top, right, bottom), outline=axis)
-    for k in range(5):
-        v = lo + (hi - lo) * k / 4
-        y = sy(v)
-        draw.line((left - 4, y, left, y), fill=axis)
-        draw.text((ox + 4, y - 6), f"{v:.3g}", fill=axis, font=font)
-    ticks = sorted(
-        {round(k * (depth - 1) / min(7, max(depth - 1, 1))) for k in range(min(8, depth))}
+    lines = [
+        plots.Line(f"step {step}", list(enumerate(vs)), plots.ramp(n, len(chosen)))
+        for n, (step, vs) in enumerate(chosen)
+    ]
+    return plots.Panel(
+        title=f"{family}, stack {stack}",
+        lines=lines,
+        x=(0, max(depth - 1, 1)),
+        y=(lo, hi),
+        xticks=[(b, str(b)) for b in spread(depth, 8)],
+        yticks=[(v, f"{v:.3g}") for v in (lo + (hi - lo) * k / 4 for k in range(5))],
+        xlabel="block",
     )
-    for b in ticks:
-        x = sx(b)
-        draw.line((x, bottom, x, bottom + 4), fill=axis)
-        draw.text((x - 6, bottom + 6), str(b), fill=axis, font=font)
-    draw.text(((left + right) / 2 - 14, bottom + 18), "block", fill=axis, font=font)
-    for n, (step, vs) in enumerate(chosen):
-        color = _color(n, len(chosen))
-        points = [(sx(b), sy(v)) for b, v in enumerate(vs) if math.isfinite(v)]
-        if len(points) > 1:
-            draw.line(points, fill=color, width=2)
-        for x, y in points:
-            draw.ellipse((x - 2, y - 2, x + 2, y + 2), fill=color)
-        ly = top + 4 + 14 * n
-        draw.line((right + 8, ly + 6, right + 24, ly + 6), fill=color, width=3)
-        draw.text((right + 28, ly), f"step {step}", fill=(0, 0, 0), font=font)
 
 
 # --- the command line --------------------------------------------------------------------------

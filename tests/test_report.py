@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 import normprobe
+from normprobe import plots, tags
 from normprobe import report as rp
 from normprobe.metrics import SERIES, attn_logits, bn_stats, grad_norm, logits, resid_cos, resid_rms
 from normprobe.models import ResidualStack, TinyTransformer
@@ -118,8 +119,10 @@ def test_rows_match_the_event_files(lm_run: Path) -> None:
     rep = rp.report(lm_run)
     scalars = read_events(str(lm_run)).scalars
 
-    def series(tag: str) -> dict[int, float]:
-        return dict(scalars[f"normprobe/{tag}"])
+    def series(
+        name: str, subject: str, block: int | None = None, layer: str | None = None
+    ) -> dict[int, float]:
+        return dict(scalars[tags.format(name, subject, block, layer)])
 
     def check(stack: str, metric: str, expected: dict[int, float]) -> None:
         row = rep.row(stack, metric)
@@ -129,23 +132,23 @@ def test_rows_match_the_event_files(lm_run: Path) -> None:
         assert (row.min, row.max) == pytest.approx((min(expected.values()), max(expected.values())))
 
     assert rep.steps == [0, 2, 4, 6, 8]
-    check("blocks", "grad_ratio", series("grad_ratio/blocks"))
-    check("blocks", "resid_slope", series("resid_slope/blocks"))
-    check("blocks", "resid_rms[last]", series("resid_rms/blocks/3"))
-    per_block = [series(f"grad_norm/blocks/{b}") for b in range(4)]
+    check("blocks", "grad_ratio", series("grad_ratio", "blocks"))
+    check("blocks", "resid_slope", series("resid_slope", "blocks"))
+    check("blocks", "resid_rms[last]", series("resid_rms", "blocks", 3))
+    per_block = [series("grad_norm", "blocks", b) for b in range(4)]
     check(
         "blocks",
         "grad_norm[mean]",
         {s: statistics.fmean(b[s] for b in per_block) for s in per_block[0]},
     )
-    cos = [series(f"resid_cos/blocks/{b}") for b in (2, 3)]  # the deep half of 4 blocks
+    cos = [series("resid_cos", "blocks", b) for b in (2, 3)]  # the deep half of 4 blocks
     check("blocks", "resid_cos[deep]", {s: (cos[0][s] + cos[1][s]) / 2 for s in cos[0]})
-    attn = [series(f"attn_logit_max/blocks/{b}.attn") for b in range(4)]
+    attn = [series("attn_logit_max", "blocks", b, "attn") for b in range(4)]
     check("blocks", "attn_logit_max[max]", {s: max(a[s] for a in attn) for s in attn[0]})
-    ln_1 = [series(f"norm_in_rms/blocks/{b}.ln_1") for b in range(4)]
+    ln_1 = [series("norm_in_rms", "blocks", b, "ln_1") for b in range(4)]
     check("blocks", "norm_in_rms .ln_1", {s: statistics.fmean(n[s] for n in ln_1) for s in ln_1[0]})
-    check("model", "logits/max_abs", series("logits/max_abs"))
-    check("model", "norm_in_rms ln_f", series("norm_in_rms/ln_f"))
+    check("model", "logits/max_abs", series("logits", "max_abs"))
+    check("model", "norm_in_rms ln_f", series("norm_in_rms", "ln_f"))
 
     row = rep.row("blocks", "grad_ratio")
     line = next(x for x in rep.table().splitlines() if "grad_ratio" in x)
@@ -214,7 +217,7 @@ def test_nan_onset_names_the_first_module(tmp_path: Path, lm_run: Path) -> None:
     (flag,) = [f for f in rep.flags if f.kind == "nan onset"]
     # step 6 is the onset even though later steps name an earlier module (NaN weights spread)
     assert flag.step == 6 and "lins.3" in flag.message
-    assert flag.value == dict(read_events(str(run)).scalars["normprobe/nonfinite/modules"])[6]
+    assert flag.value == dict(read_events(str(run)).scalars[tags.format("nonfinite", "modules")])[6]
     row = rep.row("lins", "resid_rms[last]")  # a measured NaN is logged as NaN
     assert row.steps[-1] == 8 and all(math.isnan(v) for v in row.values[6:])
     assert "non-finite" in rep.table()
@@ -253,7 +256,7 @@ def test_batchnorm_drift(tmp_path: Path, shift: float) -> None:
         assert "bn_mean_drift" in flag.message and "val_bn_mean_drift" in flag.message
         assert drift.last > bn_stats.LIMITS["mean_drift"]
         assert drift.last == pytest.approx(
-            dict(read_events(str(run)).scalars["normprobe/bn_mean_drift/bn"])[30]
+            dict(read_events(str(run)).scalars[tags.format("bn_mean_drift", "bn")])[30]
         )
     else:
         assert rep.flags == []
@@ -290,7 +293,7 @@ def test_png_of_depth_profiles(tmp_path: Path, lm_run: Path) -> None:
     step, values = rep.profiles["resid_rms/blocks"][-1]
     assert step == 8 and values == pytest.approx(
         [
-            dict(read_events(str(lm_run)).scalars[f"normprobe/resid_rms/blocks/{b}"])[8]
+            dict(read_events(str(lm_run)).scalars[tags.format("resid_rms", "blocks", b)])[8]
             for b in range(4)
         ]
     )
@@ -299,11 +302,12 @@ def test_png_of_depth_profiles(tmp_path: Path, lm_run: Path) -> None:
     with Image.open(out) as image:
         image.load()
         assert image.format == "PNG"
-        assert image.size == rp.png_size(4) == (2 * rp.PANEL_SIZE[0], 2 * rp.PANEL_SIZE[1])
+        # one panel per per-block series (five), two columns
+        assert image.size == rp.png_size(5) == (2 * rp.PANEL_SIZE[0], 3 * rp.PANEL_SIZE[1])
         pixels = np.asarray(image.convert("RGB")).reshape(-1, 3)
-    drawn = (pixels != rp.BACKGROUND).any(axis=1).sum()
+    drawn = (pixels != plots.BACKGROUND).any(axis=1).sum()
     assert drawn > 0.01 * len(pixels)
-    latest = rp._color(4, 5)  # the last step's line, darkest
+    latest = plots.ramp(4, 5)  # the last step's line, darkest
     assert (pixels == latest).all(axis=1).sum() > 100
 
 
