@@ -29,6 +29,7 @@ from _sanity import Checks, Expect
 from torch import nn
 
 import normprobe
+from normprobe import tags
 
 MU, S = 3.0, 2.0
 
@@ -60,7 +61,8 @@ def main() -> int:
     assert probe.latest is not None
     scalars = probe.latest.scalars
     for name in ("bn_mean_drift", "bn_var_drift", "bn_gap"):
-        CHECKS.check(name, f"normprobe/{name}/bn", scalars[f"normprobe/{name}/bn"])
+        tag = tags.format(name, "bn")
+        CHECKS.check(name, tag, scalars[tag])
 
     model.eval()
     with torch.no_grad():

@@ -20,6 +20,7 @@ import torch
 from _sanity import Checks, Expect
 
 import normprobe
+from normprobe import tags
 from normprobe.models import ResidualStack
 
 CHECKS = Checks(
@@ -46,7 +47,7 @@ def grad_ratio(pre_ln: bool) -> tuple[str, float]:
         probe.step()  # no optimizer given: the step ends here, gradients are read now
     assert probe.latest is not None and probe.model_map is not None
     (lins,) = [s for s in probe.model_map.stacks if s.path == "lins"]
-    return lins.placement, probe.latest.scalars["normprobe/grad_ratio/lins"]
+    return lins.placement, probe.latest.scalars[tags.format("grad_ratio", "lins")]
 
 
 def main() -> int:
@@ -55,7 +56,7 @@ def main() -> int:
         label = "Pre-LN" if pre_ln else "Post-LN"
         placement, ratio = grad_ratio(pre_ln)
         CHECKS.check(f"{name}_placement", f"{label} discovered placement", placement)
-        CHECKS.check(f"{name}_ratio", f"{label} normprobe/grad_ratio/lins", ratio)
+        CHECKS.check(f"{name}_ratio", f"{label} {tags.format('grad_ratio', 'lins')}", ratio)
     return CHECKS.verdict()
 
 

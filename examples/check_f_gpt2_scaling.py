@@ -28,6 +28,7 @@ from _sanity import Checks, Expect
 from torch import nn
 
 import normprobe
+from normprobe import tags
 
 N_BLOCKS, WIDTH = 50, 256
 
@@ -83,8 +84,9 @@ def variance_growth(scheme: str) -> float:
         probe.step()
     assert probe.latest is not None
     s = probe.latest.scalars
-    first, last = s["normprobe/norm_in_rms/blocks/00.ln_1"], s["normprobe/resid_rms/blocks/49"]
-    slope = s["normprobe/resid_slope/blocks"]
+    first = s[tags.format("norm_in_rms", "blocks", 0, "ln_1", depth=N_BLOCKS)]
+    last = s[tags.format("resid_rms", "blocks", N_BLOCKS - 1, depth=N_BLOCKS)]
+    slope = s[tags.format("resid_slope", "blocks")]
     print(f"{scheme}: input RMS {first:.3f}, after block 49 {last:.3f}, resid_slope {slope:.2f}")
     return (last / first) ** 2
 

@@ -16,6 +16,7 @@ import argparse
 import torch
 
 import normprobe
+from normprobe import tags
 from normprobe.corpus import CharCorpus
 from normprobe.models import TinyTransformer
 
@@ -45,8 +46,13 @@ def main() -> None:
 
     assert probe.latest is not None and probe.model_map is not None
     print(f"\n{probe.model_map.stacks[0].placement} stack, last logged step {probe.latest.step}:")
-    for tag in ("grad_ratio/blocks", "resid_growth/blocks", "logits/max_abs"):
-        print(f"  normprobe/{tag:<22} {probe.latest.scalars[f'normprobe/{tag}']:.3f}")
+    for series, subject in (
+        ("grad_ratio", "blocks"),
+        ("resid_growth", "blocks"),
+        ("logits", "max_abs"),
+    ):
+        tag = tags.format(series, subject)
+        print(f"  {tag:<32} {probe.latest.scalars[tag]:.3f}")
     print(f"\nSee the panels with: tensorboard --logdir {args.log_dir}")
 
 

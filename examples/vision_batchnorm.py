@@ -21,6 +21,7 @@ import timm
 import torch
 
 import normprobe
+from normprobe import tags
 
 
 def stripes(batch: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,10 +72,11 @@ def main() -> None:
 
     assert probe.model_map is not None
     n_bn = sum(n.kind == "batchnorm" for n in probe.model_map.norms)
-    gaps = {k.split("/bn_gap/")[1]: v for k, v in train.items() if "/bn_gap/" in k}
+    gap_tags = tags.prefix("bn_gap")  # then the layer's subject
+    gaps = {k.removeprefix(gap_tags): v for k, v in train.items() if k.startswith(gap_tags)}
     print(f"\n{n_bn} BatchNorm layers; largest train-vs-eval gaps at the last logged step:")
     for name, gap in sorted(gaps.items(), key=lambda kv: -kv[1])[:5]:
-        drift = train[f"normprobe/bn_mean_drift/{name}"]
+        drift = train[tags.format("bn_mean_drift", name)]
         print(f"  {name:<22} bn_gap {gap:.3f}  bn_mean_drift {drift:.3f}")
     print(f"\nSee the panels with: tensorboard --logdir {args.log_dir}")
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from . import tags
 from .corpus import CharBatches, CharCorpus
 from .init import reinit
 from .models import TinyTransformer
@@ -112,12 +113,12 @@ def _train(name: str, make: Callable[[int], nn.Module], steps: int, root: str) -
     trainer.fit(module, DataLoader(CharBatches(corpus, BATCH), batch_size=None))
     scalars = probe.latest.scalars if probe.latest else {}
     tail = torch.stack(module.losses[-20:]).mean().item()  # one read at the end
-    attention = [v for k, v in scalars.items() if k.startswith("normprobe/attn_logit_max/")]
+    attention = [v for k, v in scalars.items() if k.startswith(tags.prefix("attn_logit_max"))]
     return Result(
         name,
         tail,
-        scalars.get("normprobe/grad_ratio/model.blocks", math.nan),
-        scalars.get("normprobe/resid_growth/model.blocks", math.nan),
+        scalars.get(tags.format("grad_ratio", "model.blocks"), math.nan),
+        scalars.get(tags.format("resid_growth", "model.blocks"), math.nan),
         max(attention, default=math.nan),
     )
 

@@ -108,8 +108,9 @@ class Witness(Callback):
         self.collectives = 0
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        probe = next(c for c in trainer.callbacks if isinstance(c, normprobe.NormProbe))
-        self.seen["sinks"] = len(probe._sinks)
+        callback = next(c for c in trainer.callbacks if isinstance(c, normprobe.NormProbe))
+        assert callback.probe is not None
+        self.seen["sinks"] = len(callback.probe.sinks)
         rank = trainer.global_rank
         (self.out / f"rank{rank}.json").write_text(json.dumps(self.seen))
 

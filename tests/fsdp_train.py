@@ -201,7 +201,8 @@ def run_fsdp2(out: Path) -> None:
             probe = next(c for c in trainer.callbacks if isinstance(c, normprobe.NormProbe))
             params = list(pl_module.net.blocks[0].parameters())
             sharded = [sum(_local_numel(p) for p in params), sum(p.numel() for p in params)]
-            self.witness.write(out, trainer.global_rank, probe, len(probe._sinks), sharded)
+            assert probe.probe is not None
+            self.witness.write(out, trainer.global_rank, probe, len(probe.probe.sinks), sharded)
 
     torch.manual_seed(0)
     trainer = L.Trainer(

@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader
 
 import normprobe
+from normprobe import tags
 from normprobe.models import TinyTransformer
 
 
@@ -106,6 +107,6 @@ def test_lightning_module_with_a_compiled_model(tmp_path: Path) -> None:
     assert spy.per_step[0][1] == 0
     assert trainer.logger is not None and trainer.logger.log_dir is not None
     events = read_events(trainer.logger.log_dir)
-    steps = [s for s, _ in events.scalars["normprobe/grad_ratio/model.blocks"]]
+    steps = [s for s, _ in events.scalars[tags.format("grad_ratio", "model.blocks")]]
     assert steps == [0, 4, 9, 14, 19]
-    assert "normprobe/resid_rms/model.blocks/1" in events.scalars
+    assert tags.format("resid_rms", "model.blocks", 1) in events.scalars

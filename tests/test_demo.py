@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from tb import read_events
 
-from normprobe import demo
+from normprobe import demo, tags
 
 
 def test_demo_trains_four_runs_and_prints_the_comparison(
@@ -17,7 +17,7 @@ def test_demo_trains_four_runs_and_prints_the_comparison(
     out = capsys.readouterr().out
     for name in demo.RUNS:
         events = read_events(str(tmp_path / "demo" / name))
-        assert "normprobe/grad_ratio/model.blocks" in events.scalars
+        assert tags.format("grad_ratio", "model.blocks") in events.scalars
         assert any(line.startswith(name + " ") for line in out.splitlines())
     assert f"tensorboard --logdir {tmp_path / 'demo'}" in out
     table = [line.split() for line in out.splitlines() if line.startswith(("pre-ln", "post-ln"))]

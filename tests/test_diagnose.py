@@ -15,6 +15,7 @@ from conftest import hook_count
 from torch import nn
 
 import normprobe
+from normprobe import tags
 from normprobe.cli import main
 from normprobe.diagnose import (
     ATTN_LOGIT_MAX,
@@ -112,13 +113,13 @@ def test_post_ln_top_heavy_gradients_and_deepnorm() -> None:
     # gradient norm 2.35 for Post-LN; DeepNorm's init brings it to about 1
     stack, x = ResidualStack(48, 64, pre_ln=False), torch.randn(16, 64)
     found = diagnose(stack, x)
-    assert found.measurements["normprobe/grad_ratio/lins"] == pytest.approx(2.35, abs=0.01)
+    assert found.measurements[tags.format("grad_ratio", "lins")] == pytest.approx(2.35, abs=0.01)
     assert found.codes == ["post-ln-top-heavy"]
     assert "2.35" in str(found) and "deepnorm" in str(found)
 
     normprobe.reinit(stack, "deepnorm", example_inputs=(x,))
     fixed = diagnose(stack, x)
-    assert fixed.measurements["normprobe/grad_ratio/lins"] == pytest.approx(1.0, abs=0.1)
+    assert fixed.measurements[tags.format("grad_ratio", "lins")] == pytest.approx(1.0, abs=0.1)
     assert fixed.checks["post-ln-top-heavy"] == "ok"
 
 
@@ -146,7 +147,7 @@ def test_post_ln_without_a_head_needs_a_loss() -> None:
     target = torch.randn(16, 32)
     measured = diagnose(model, x, loss_fn=lambda out: (out - target).pow(2).mean())
     assert measured.checks["post-ln-top-heavy"] == "ok"  # 8 blocks: last/first about 1
-    assert measured.measurements["normprobe/grad_ratio/lins"] < 2.0
+    assert measured.measurements[tags.format("grad_ratio", "lins")] < 2.0
 
 
 def test_residual_growth() -> None:
@@ -156,14 +157,14 @@ def test_residual_growth() -> None:
     stack, x = ResidualStack(48, 64, pre_ln=True), torch.randn(16, 64)
     found = diagnose(stack, x)
     assert "residual-growth" in found.codes
-    assert found.measurements["normprobe/resid_growth/lins"] == pytest.approx(3.6, rel=0.1)
-    assert found.measurements["normprobe/resid_slope/lins"] > 0.3
+    assert found.measurements[tags.format("resid_growth", "lins")] == pytest.approx(3.6, rel=0.1)
+    assert found.measurements[tags.format("resid_slope", "lins")] > 0.3
 
     # GPT-2's init writes N(0, 0.02/sqrt(96)) into the stream: it stays flat
     normprobe.reinit(stack, "gpt2", example_inputs=(x,))
     flat = diagnose(stack, x)
     assert flat.checks["residual-growth"] == "ok"
-    assert abs(flat.measurements["normprobe/resid_slope/lins"]) < 0.05
+    assert abs(flat.measurements[tags.format("resid_slope", "lins")]) < 0.05
 
 
 def test_large_attention_logits_and_qk_norm() -> None:

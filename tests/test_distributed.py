@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from tb import read_events
 
+from normprobe import tags
+
 SCRIPT = Path(__file__).with_name("ddp_train.py")
 
 
@@ -37,7 +39,7 @@ def test_gradient_norms_are_the_synchronized_ones(ddp_run: tuple[Path, dict]) ->
     events = read_events(str(out / "ddp" / "version_0"))
     assert ranks[0]["grads"] == ranks[1]["grads"]  # DDP averaged them
     for block in range(3):
-        series = events.scalars[f"normprobe/grad_norm/net.blocks/{block}"]
+        series = events.scalars[tags.format("grad_norm", "net.blocks", block)]
         assert [s for s, _ in series] == [0, 1, 3]
         for step, value in series:
             assert value == pytest.approx(ranks[0]["grads"][str(step)][block], rel=1e-5)
@@ -47,10 +49,10 @@ def test_activation_statistics_combine_all_ranks(ddp_run: tuple[Path, dict]) -> 
     out, ranks = ddp_run
     events = read_events(str(out / "ddp" / "version_0"))
     local = [ranks[r]["local"] for r in (0, 1)]
-    for step, value in events.scalars["normprobe/logits/max_abs"]:
+    for step, value in events.scalars[tags.format("logits", "max_abs")]:
         assert value == pytest.approx(max(seen[str(step)]["logits_max"] for seen in local))
     for block in range(3):
-        for step, value in events.scalars[f"normprobe/resid_rms/net.blocks/{block}"]:
+        for step, value in events.scalars[tags.format("resid_rms", "net.blocks", block)]:
             there = [
                 seen[str(step)][f"resid_{block}"]
                 for seen in local

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from tb import read_events
 
+from normprobe import tags
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
@@ -21,5 +23,5 @@ def test_lightning_transformer_example(tmp_path: Path) -> None:
     run = tmp_path / "lightning_logs" / "version_0"
     assert f"tensorboard --logdir {run}" in done.stdout
     events = read_events(str(run))
-    assert [s for s, _ in events.scalars["normprobe/grad_ratio/model.blocks"]] == [0, 9]
+    assert [s for s, _ in events.scalars[tags.format("grad_ratio", "model.blocks")]] == [0, 9]
     assert [s for s, _ in events.scalars["train_loss"]] == [9]

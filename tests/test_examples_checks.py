@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from tb import read_events
 
+from normprobe import tags
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 # every expectation each check script declares: all must print an OK line
@@ -89,9 +91,9 @@ def test_plain_pytorch(tmp_path: Path) -> None:
     done = run("plain_pytorch.py", "--steps", "2", "--every", "1", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "See the panels with: tensorboard --logdir runs/plain" in done.stdout
-    assert "normprobe/grad_ratio/blocks" in done.stdout
+    assert tags.format("grad_ratio", "blocks") in done.stdout
     events = read_events(str(tmp_path / "runs" / "plain"))
-    assert [s for s, _ in events.scalars["normprobe/grad_ratio/blocks"]] == [0, 1]
+    assert [s for s, _ in events.scalars[tags.format("grad_ratio", "blocks")]] == [0, 1]
 
 
 def test_hf_transformers(tmp_path: Path) -> None:
@@ -101,7 +103,7 @@ def test_hf_transformers(tmp_path: Path) -> None:
     assert re.search(r"transformer\.h\s+4\s+GPT2Block\s+pre-ln\s+2", done.stdout), done.stdout
     assert "tensorboard --logdir runs/hf" in done.stdout
     events = read_events(str(tmp_path / "runs" / "hf"))
-    assert [s for s, _ in events.scalars["normprobe/grad_ratio/transformer.h"]] == [0, 1]
+    assert [s for s, _ in events.scalars[tags.format("grad_ratio", "transformer.h")]] == [0, 1]
 
 
 def test_vision_batchnorm(tmp_path: Path) -> None:
@@ -110,8 +112,8 @@ def test_vision_batchnorm(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "20 BatchNorm layers" in done.stdout
     events = read_events(str(tmp_path / "runs" / "vision"))
-    assert [s for s, _ in events.scalars["normprobe/bn_gap/bn1"]] == [0, 1]
-    assert [s for s, _ in events.scalars["normprobe/val_bn_gap/bn1"]] == [2]
+    assert [s for s, _ in events.scalars[tags.format("bn_gap", "bn1")]] == [0, 1]
+    assert [s for s, _ in events.scalars[tags.format("val_bn_gap", "bn1")]] == [2]
 
 
 def test_mup_coord_check(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils.data import DataLoader
 
 import normprobe
+from normprobe import tags
 from normprobe.models import TinyTransformer
 from normprobe.runtime import InertHook, attached_probe
 
@@ -210,7 +211,7 @@ def test_a_retried_forward_is_measured_afresh(tmp_path: Path) -> None:
         model.loss(batch(0), batch(0)).backward()
         opt.step()
     probe.remove()
-    assert read_texts(str(tmp_path))["normprobe/nonfinite/first/text_summary"] == [
+    assert read_texts(str(tmp_path))[tags.format("nonfinite", "first") + "/text_summary"] == [
         (0, "blocks.0.mlp.fc")
     ]
 
@@ -237,10 +238,10 @@ def test_nan_mid_training_names_the_first_module(tmp_path: Path, reference: Even
                 assert not messages  # warned once, on the step it happened
     events = read_events(str(tmp_path))
     assert_logged_up_to(before(events, fault), reference, fault)
-    counts = events.scalars["normprobe/nonfinite/modules"]
+    counts = events.scalars[tags.format("nonfinite", "modules")]
     assert [s for s, _ in counts] == [0, 2, 4, 6]
     assert [v for _, v in counts[:2]] == [0, 0] and all(v > 0 for _, v in counts[2:])
-    first = read_texts(str(tmp_path))["normprobe/nonfinite/first/text_summary"]
+    first = read_texts(str(tmp_path))[tags.format("nonfinite", "first") + "/text_summary"]
     # after AdamW stepped on NaN gradients every weight is NaN: the embedding comes first
     assert first == [(4, "blocks.1.mlp.fc"), (6, "tok")]
     assert hook_count(model) == 0 and no_probe_hooks_on(opt)
@@ -265,7 +266,7 @@ def test_optimizer_subclass_calling_super_step_counts_one_step(tmp_path: Path) -
         train(model, opt, wire, start=STEPS - 4)
     assert len(calls) == 8  # the nesting is real: two post hooks per step
     assert probe.step_count == 4
-    steps = [s for s, _ in read_events(str(tmp_path)).scalars["normprobe/grad_ratio/blocks"]]
+    steps = [s for s, _ in read_events(str(tmp_path)).scalars[tags.format("grad_ratio", "blocks")]]
     assert steps == [0, 2]
     wire.handle.remove()
 
@@ -314,8 +315,8 @@ def test_lightning_fault_mid_epoch_flushes_and_removes_hooks(
         trainer.fit(module, data)
     assert trainer.logger is not None and trainer.logger.log_dir is not None
     events = read_events(trainer.logger.log_dir)
-    assert [s for s, _ in events.scalars["normprobe/grad_ratio/model.blocks"]] == [0, 1]
-    assert [s for s, _ in events.scalars["normprobe/resid_rms/model.blocks/2"]] == [0, 1]
+    assert [s for s, _ in events.scalars[tags.format("grad_ratio", "model.blocks")]] == [0, 1]
+    assert [s for s, _ in events.scalars[tags.format("resid_rms", "model.blocks", 2)]] == [0, 1]
     module.wire.handle.remove()
     assert hook_count(module) == 0
     assert not _get_current_function_mode_stack()
@@ -393,14 +394,14 @@ def test_a_copy_taken_mid_logged_step_and_after_surgery_runs_without_the_probe(
     # the twin trains on its own: the original probe neither counts nor writes its steps
     # (the probe is still attached: its writer's thread may not have written yet, flush it)
     probe.sinks[0].flush()
-    before = read_events(str(tmp_path / "b")).scalars["normprobe/grad_ratio/blocks"]
+    before = read_events(str(tmp_path / "b")).scalars[tags.format("grad_ratio", "blocks")]
     for step in range(3):
         twin.loss(batch(step), batch(step)).backward()
         twin_opt.step()
         twin_opt.zero_grad()
     assert probe.step_count == 1
     probe.sinks[0].flush()
-    assert read_events(str(tmp_path / "b")).scalars["normprobe/grad_ratio/blocks"] == before
+    assert read_events(str(tmp_path / "b")).scalars[tags.format("grad_ratio", "blocks")] == before
     with torch.no_grad():
         assert torch.equal(twin(x), copy.deepcopy(twin)(x))
     # no live probe: surgery accepts the copy (it refuses the probed original), a probe attaches
@@ -412,7 +413,10 @@ def test_a_copy_taken_mid_logged_step_and_after_surgery_runs_without_the_probe(
     with attach(twin, twin_opt, tmp_path / "twin"):
         twin.loss(x, x).backward()
         twin_opt.step()
-    assert "normprobe/norm_out_rms/blocks/0.ln_1" in read_events(str(tmp_path / "twin")).scalars
+    assert (
+        tags.format("norm_out_rms", "blocks", 0, "ln_1")
+        in read_events(str(tmp_path / "twin")).scalars
+    )
     probe.remove()
     assert hook_count(model) == 0
 

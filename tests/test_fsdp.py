@@ -21,7 +21,7 @@ import pytest
 import torch
 from tb import read_events
 
-from normprobe import probes
+from normprobe import probes, tags
 
 SCRIPT = Path(__file__).with_name("fsdp_train.py")
 MODES = ("fsdp2", "fsdp1", "hsdp")
@@ -91,7 +91,7 @@ def test_gradient_norms_are_the_full_gradients(runs: dict[str, Run], mode: str) 
     full = ranks[0]["grads"]  # from gathered gradients: the same on both ranks
     assert full == ranks[1]["grads"]
     for block in range(3):
-        series = events.scalars[f"normprobe/grad_norm/{STACK[mode]}/{block}"]
+        series = events.scalars[tags.format("grad_norm", STACK[mode], block)]
         assert [s for s, _ in series] == LOGGED[mode]
         for step, value in series:
             assert value == pytest.approx(full[str(step)][block], rel=1e-5)
@@ -103,9 +103,9 @@ def test_update_ratios_and_gains_are_of_the_whole_tensors(runs: dict[str, Run], 
     events = read_events(str(out / LOGS[mode]))
     seen = ranks[0]
     for block in range(3):
-        ratios = events.scalars[f"normprobe/update_ratio/{STACK[mode]}/{block}"]
-        means = events.scalars[f"normprobe/norm_gain_mean/{STACK[mode]}/{block}.ln_1"]
-        stds = events.scalars[f"normprobe/norm_gain_std/{STACK[mode]}/{block}.ln_1"]
+        ratios = events.scalars[tags.format("update_ratio", STACK[mode], block)]
+        means = events.scalars[tags.format("norm_gain_mean", STACK[mode], block, "ln_1")]
+        stds = events.scalars[tags.format("norm_gain_std", STACK[mode], block, "ln_1")]
         assert [s for s, _ in ratios] == [s for s, _ in means] == LOGGED[mode]
         for step, value in ratios:
             assert value == pytest.approx(seen["updates"][str(step)][block], rel=1e-5)
@@ -132,11 +132,11 @@ def test_rank_zero_writes_unsharded_names(runs: dict[str, Run], mode: str) -> No
     assert (ranks[0]["sinks"], ranks[1]["sinks"]) == (1, 0)
     if mode != "fsdp2":  # attach() opens no event file on rank 1
         assert not (out / "tb1").exists()
-    tags = read_events(str(out / LOGS[mode])).scalars
-    assert tags.keys() == set(ranks[0]["tags"]) == set(ranks[1]["tags"])
-    assert not [t for t in tags if "_fsdp_wrapped_module" in t or "FSDP" in t]
-    assert f"normprobe/resid_rms/{STACK[mode]}/2" in tags
-    assert f"normprobe/norm_in_rms/{STACK[mode]}/0.ln_2" in tags
+    scalars = read_events(str(out / LOGS[mode])).scalars
+    assert scalars.keys() == set(ranks[0]["tags"]) == set(ranks[1]["tags"])
+    assert not [t for t in scalars if "_fsdp_wrapped_module" in t or "FSDP" in t]
+    assert tags.format("resid_rms", STACK[mode], 2) in scalars
+    assert tags.format("norm_in_rms", STACK[mode], 0, "ln_2") in scalars
 
 
 def test_lightning_fsdp_strategy_needs_a_gpu() -> None:

@@ -21,6 +21,7 @@ from conftest import hook_count
 from torch import nn
 
 import normprobe
+from normprobe import tags
 from normprobe.discovery import ModelMap
 from normprobe.init import (
     BranchScale,
@@ -110,9 +111,9 @@ def stream_rms(model: nn.Module, x: torch.Tensor, log_dir: Path) -> list[float]:
     assert probe.latest is not None and probe.model_map is not None
     values = []
     for stack in probe.model_map.stacks:
-        width = len(str(stack.depth - 1))
         for b in range(stack.depth):
-            values.append(probe.latest.scalars[f"normprobe/resid_rms/{stack.path}/{b:0{width}d}"])
+            tag = tags.format("resid_rms", stack.path, b, depth=stack.depth)
+            values.append(probe.latest.scalars[tag])
     return values
 
 

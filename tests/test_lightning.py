@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import normprobe
+from normprobe import tags
 from normprobe.models import TinyTransformer
 
 
@@ -68,8 +69,13 @@ def test_writes_into_the_trainers_run_on_its_steps(tmp_path: Path) -> None:
     lightning_steps = [s for s, _ in events.scalars["train_loss"]]
     assert lightning_steps == [1, 3, 5]
     # the same steps, plus step 0 (the model at initialization)
-    assert [s for s, _ in events.scalars["normprobe/grad_ratio/model.blocks"]] == [0, 1, 3, 5]
-    assert [s for s, _ in events.scalars["normprobe/resid_rms/model.blocks/0"]] == [0, 1, 3, 5]
+    assert [s for s, _ in events.scalars[tags.format("grad_ratio", "model.blocks")]] == [0, 1, 3, 5]
+    assert [s for s, _ in events.scalars[tags.format("resid_rms", "model.blocks", 0)]] == [
+        0,
+        1,
+        3,
+        5,
+    ]
     assert len(events.layouts) == 1
     assert hook_count(module) == 0  # removed at teardown
 
@@ -102,7 +108,7 @@ def test_gradients_once_per_optimizer_step_before_clipping(tmp_path: Path) -> No
     assert t.logger is not None and t.logger.log_dir is not None
     events = read_events(t.logger.log_dir)
     for block in range(3):
-        series = events.scalars[f"normprobe/grad_norm/model.blocks/{block}"]
+        series = events.scalars[tags.format("grad_norm", "model.blocks", block)]
         assert [s for s, _ in series] == [0, 1, 2]  # 6 batches, 3 optimizer steps
         assert [v for _, v in series] == pytest.approx([n[block] for n in spy.norms], rel=1e-5)
         assert min(v for _, v in series) > 1e-3  # read before clipping to 1e-3
@@ -114,10 +120,12 @@ def test_other_loggers_get_scalars_and_a_tensorboard_folder(tmp_path: Path) -> N
     t.fit(LM(), tokens())
     with open(Path(logger.log_dir) / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    ratio = [r for r in rows if r.get("normprobe/grad_ratio/model.blocks")]
+    ratio = [r for r in rows if r.get(tags.format("grad_ratio", "model.blocks"))]
     assert [int(r["step"]) for r in ratio] == [0, 1, 3, 5]
     events = read_events(str(Path(logger.log_dir) / "normprobe"))
-    assert "normprobe/resid_rms/model.blocks" in events.histograms and len(events.layouts) == 1
+    assert (
+        tags.format("resid_rms", "model.blocks") in events.histograms and len(events.layouts) == 1
+    )
 
 
 def test_without_a_logger_a_default_directory_is_used(tmp_path: Path) -> None:
@@ -125,7 +133,7 @@ def test_without_a_logger_a_default_directory_is_used(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="no logger; writing TensorBoard files to"):
         t.fit(LM(), tokens())
     events = read_events(str(tmp_path / "normprobe_logs"))
-    assert [s for s, _ in events.scalars["normprobe/grad_ratio/model.blocks"]] == [0, 1, 3, 5]
+    assert [s for s, _ in events.scalars[tags.format("grad_ratio", "model.blocks")]] == [0, 1, 3, 5]
 
 
 def test_added_twice_is_an_error(tmp_path: Path) -> None:
@@ -141,7 +149,8 @@ def test_crash_mid_epoch_flushes_and_removes_hooks(tmp_path: Path) -> None:
         t.fit(module, tokens())
     assert t.logger is not None and t.logger.log_dir is not None
     steps = [
-        s for s, _ in read_events(t.logger.log_dir).scalars["normprobe/grad_ratio/model.blocks"]
+        s
+        for s, _ in read_events(t.logger.log_dir).scalars[tags.format("grad_ratio", "model.blocks")]
     ]
     assert steps == [0, 1, 2, 3]
     assert hook_count(module) == 0
@@ -158,7 +167,13 @@ def test_resume_continues_the_steps_without_a_second_layout(tmp_path: Path) -> N
     t = trainer(tmp_path, logger=logger, max_steps=8, enable_checkpointing=True, callbacks=again)
     t.fit(LM(), tokens(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     events = read_events(logger.log_dir)
-    assert [s for s, _ in events.scalars["normprobe/grad_ratio/model.blocks"]] == [0, 1, 3, 5, 7]
+    assert [s for s, _ in events.scalars[tags.format("grad_ratio", "model.blocks")]] == [
+        0,
+        1,
+        3,
+        5,
+        7,
+    ]
     assert len(events.layouts) == 1
 
 
@@ -186,11 +201,11 @@ def test_batchnorm_statistics_at_validation(tmp_path: Path) -> None:
         t.fit(BNModule(), train, val)
     assert t.logger is not None and t.logger.log_dir is not None
     events = read_events(t.logger.log_dir)
-    val_gap = events.scalars["normprobe/val_bn_gap/net.1"]
+    val_gap = events.scalars[tags.format("val_bn_gap", "net.1")]
     assert [s for s, _ in val_gap] == [4, 8]
     # the validation data has another distribution than the running statistics
     assert all(v > 0.1 for _, v in val_gap)
-    assert "normprobe/bn_gap/net.1" in events.scalars
+    assert tags.format("bn_gap", "net.1") in events.scalars
 
 
 def test_bf16_mixed_statistics_and_gradients(tmp_path: Path) -> None:
@@ -204,6 +219,6 @@ def test_bf16_mixed_statistics_and_gradients(tmp_path: Path) -> None:
     events = read_events(t.logger.log_dir)
     values = [v for series in events.scalars.values() for _, v in series]
     assert values and all(v == v and abs(v) < 1e6 for v in values)
-    assert events.scalars["normprobe/nonfinite/modules"][-1][1] == 0
-    logged = [v for _, v in events.scalars["normprobe/grad_norm/model.blocks/0"]]
+    assert events.scalars[tags.format("nonfinite", "modules")][-1][1] == 0
+    logged = [v for _, v in events.scalars[tags.format("grad_norm", "model.blocks", 0)]]
     assert logged == pytest.approx([n[0] for n in spy.norms], rel=1e-4)

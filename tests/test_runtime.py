@@ -23,6 +23,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import normprobe
+from normprobe import tags
 from normprobe.models import ResidualStack, TinyTransformer
 
 
@@ -34,7 +35,7 @@ def seed_grad_ratio(pre_ln: bool, tmp_path: Path) -> float:
         stack(torch.randn(16, 64)).pow(2).mean().backward()
         probe.step()
     assert probe.latest is not None
-    return probe.latest.scalars["normprobe/grad_ratio/lins"]
+    return probe.latest.scalars[tags.format("grad_ratio", "lins")]
 
 
 def test_grad_ratio_reproduces_the_tutorial(tmp_path: Path) -> None:
@@ -70,9 +71,10 @@ def test_residual_growth_and_slope(tmp_path: Path) -> None:
     assert probe.latest is not None
     s = probe.latest.scalars
     for block in range(16):
-        assert s[f"normprobe/resid_rms/blocks/{block:02d}"] == pytest.approx(math.sqrt(block + 1))
-    assert s["normprobe/resid_growth/blocks"] == pytest.approx(4.0)  # sqrt(16) / sqrt(1)
-    assert s["normprobe/resid_slope/blocks"] == pytest.approx(0.5, abs=1e-5)
+        want = pytest.approx(math.sqrt(block + 1))
+        assert s[tags.format("resid_rms", "blocks", block, depth=16)] == want
+    assert s[tags.format("resid_growth", "blocks")] == pytest.approx(4.0)  # sqrt(16) / sqrt(1)
+    assert s[tags.format("resid_slope", "blocks")] == pytest.approx(0.5, abs=1e-5)
 
 
 def test_stream_norm_and_cosine_values_match_a_manual_forward(tmp_path: Path) -> None:
@@ -87,19 +89,21 @@ def test_stream_norm_and_cosine_values_match_a_manual_forward(tmp_path: Path) ->
     h, streams = x, []
     with torch.no_grad():
         for i, (ln, lin) in enumerate(zip(model.lns, model.lins, strict=True)):
-            assert s[f"normprobe/norm_in_rms/lns.{i}"] == pytest.approx(
+            assert s[tags.format("norm_in_rms", f"lns.{i}")] == pytest.approx(
                 float(h.pow(2).mean().sqrt())
             )
-            assert s[f"normprobe/norm_out_rms/lns.{i}"] == pytest.approx(
+            assert s[tags.format("norm_out_rms", f"lns.{i}")] == pytest.approx(
                 float(ln(h).pow(2).mean().sqrt()), rel=1e-5
             )
             h = h + lin(ln(h))
             streams.append(h)
     for i, h in enumerate(streams):
-        assert s[f"normprobe/resid_rms/lins/{i}"] == pytest.approx(float(h.pow(2).mean().sqrt()))
+        assert s[tags.format("resid_rms", "lins", i)] == pytest.approx(
+            float(h.pow(2).mean().sqrt())
+        )
     for i in range(1, 6):
         cos = F.cosine_similarity(streams[i - 1], streams[i], dim=-1).mean()
-        assert s[f"normprobe/resid_cos/lins/{i}"] == pytest.approx(float(cos), rel=1e-5)
+        assert s[tags.format("resid_cos", "lins", i)] == pytest.approx(float(cos), rel=1e-5)
 
 
 def test_post_ln_stream_is_read_after_the_norm(tmp_path: Path) -> None:
@@ -112,7 +116,7 @@ def test_post_ln_stream_is_read_after_the_norm(tmp_path: Path) -> None:
     with torch.no_grad():
         for i, (ln, lin) in enumerate(zip(model.lns, model.lins, strict=True)):
             h = ln(h + lin(h))
-            got = probe.latest.scalars[f"normprobe/resid_rms/lins/{i}"]  # type: ignore[union-attr]
+            got = probe.latest.scalars[tags.format("resid_rms", "lins", i)]  # type: ignore[union-attr]
             assert got == pytest.approx(float(h.pow(2).mean().sqrt()), rel=1e-5)
 
 
@@ -131,10 +135,10 @@ def test_update_ratio_and_gain_with_sgd(tmp_path: Path) -> None:
     for i in range(3):
         # plain SGD moves each parameter by lr * grad
         want = 0.1 * float(grads[i].norm()) / float(before[i].norm())
-        assert s[f"normprobe/update_ratio/lins/{i}"] == pytest.approx(want, rel=1e-4)
-        assert s[f"normprobe/grad_norm/lins/{i}"] == pytest.approx(float(grads[i].norm()))
-    assert s["normprobe/norm_gain_mean/lns.1"] == pytest.approx(2.5)
-    assert s["normprobe/norm_gain_std/lns.1"] == pytest.approx(math.sqrt(1.25))
+        assert s[tags.format("update_ratio", "lins", i)] == pytest.approx(want, rel=1e-4)
+        assert s[tags.format("grad_norm", "lins", i)] == pytest.approx(float(grads[i].norm()))
+    assert s[tags.format("norm_gain_mean", "lns.1")] == pytest.approx(2.5)
+    assert s[tags.format("norm_gain_std", "lns.1")] == pytest.approx(math.sqrt(1.25))
 
 
 def test_logits_and_attention_logits_of_hf_gpt2(tmp_path: Path) -> None:
@@ -164,12 +168,14 @@ def test_logits_and_attention_logits_of_hf_gpt2(tmp_path: Path) -> None:
     h2.remove()
     s = probe.latest.scalars  # type: ignore[union-attr]
     logits = captured["logits"]
-    assert s["normprobe/logits/max_abs"] == pytest.approx(float(logits.abs().max()))
-    assert s["normprobe/logits/rms"] == pytest.approx(float(logits.pow(2).mean().sqrt()))
-    assert s["normprobe/logits/z"] == pytest.approx(float(logits.logsumexp(-1).mean()), rel=1e-5)
-    attn = s["normprobe/attn_logit_max/transformer.h/0.attn"]
+    assert s[tags.format("logits", "max_abs")] == pytest.approx(float(logits.abs().max()))
+    assert s[tags.format("logits", "rms")] == pytest.approx(float(logits.pow(2).mean().sqrt()))
+    assert s[tags.format("logits", "z")] == pytest.approx(
+        float(logits.logsumexp(-1).mean()), rel=1e-5
+    )
+    attn = s[tags.format("attn_logit_max", "transformer.h", 0, "attn")]
     assert attn == pytest.approx(float(captured["attn"]), rel=1e-4)
-    assert len([t for t in s if t.startswith("normprobe/attn_logit_max/")]) == 4
+    assert len([t for t in s if t.startswith(tags.prefix("attn_logit_max"))]) == 4
 
 
 def test_eager_attention_logits_skip_the_mask(tmp_path: Path) -> None:
@@ -178,7 +184,8 @@ def test_eager_attention_logits_skip_the_mask(tmp_path: Path) -> None:
         with torch.no_grad():
             z.model(*z.args, **z.kwargs)
         probe.step()
-    values = [v for t, v in probe.latest.scalars.items() if "attn_logit_max" in t]  # type: ignore[union-attr]
+    attn = tags.prefix("attn_logit_max")
+    values = [v for t, v in probe.latest.scalars.items() if t.startswith(attn)]  # type: ignore[union-attr]
     assert len(values) == 4 and all(0 < v < 100 for v in values)
 
 
@@ -195,8 +202,9 @@ def test_batchnorm_drift_and_train_eval_gap(tmp_path: Path) -> None:
     bn = model[1]
     s = p.latest.scalars  # type: ignore[union-attr]
     # the last logged forward saw running statistics updated by the two steps before it
-    assert s["normprobe/bn_gap/1"] > 0.1
-    assert s["normprobe/bn_mean_drift/1"] > 0.1 and s["normprobe/bn_var_drift/1"] > 0.1
+    assert s[tags.format("bn_gap", "1")] > 0.1
+    assert s[tags.format("bn_mean_drift", "1")] > 0.1
+    assert s[tags.format("bn_var_drift", "1")] > 0.1
     assert float(bn.running_mean.abs().mean()) > 0.1
 
 
@@ -210,16 +218,17 @@ def test_schedule_event_files_layout_and_depth_view(tmp_path: Path) -> None:
             opt.step()
             opt.zero_grad()
     events = read_events(str(tmp_path))
-    assert [step for step, _ in events.scalars["normprobe/grad_ratio/blocks"]] == [0, 3, 6]
-    assert [step for step, _ in events.scalars["normprobe/resid_rms/blocks/0"]] == [0, 3, 6]
-    families = {tag.split("/")[1] for tag in events.scalars}
+    assert [step for step, _ in events.scalars[tags.format("grad_ratio", "blocks")]] == [0, 3, 6]
+    resid_0 = events.scalars[tags.format("resid_rms", "blocks", 0)]
+    assert [step for step, _ in resid_0] == [0, 3, 6]
+    families = {parsed.series for t in events.scalars if (parsed := tags.parse(t))}
     assert families == {
         "resid_rms", "resid_growth", "resid_slope", "resid_cos", "norm_in_rms", "norm_out_rms",
         "norm_gain_mean", "norm_gain_std", "grad_norm", "grad_ratio", "update_ratio", "logits",
         "attn_logit_max", "nonfinite",
     }  # fmt: skip
     # depth view: one histogram per metric and stack, one bucket per block
-    steps, buckets = zip(*events.histograms["normprobe/resid_rms/blocks"], strict=True)
+    steps, buckets = zip(*events.histograms[tags.format("resid_rms", "blocks")], strict=True)
     assert steps == (0, 3, 6) and all(len(b) == 3 for b in buckets)
     assert len(events.layouts) == 1
     titles = {
@@ -239,9 +248,12 @@ def test_every_block_gets_a_tag_up_to_the_cap(tmp_path: Path) -> None:
         p.step()
     record = p.latest
     assert record is not None
-    blocks = sorted(int(t.rsplit("/", 1)[1]) for t in record.scalars if "resid_rms/lins/" in t)
+    per_block = [
+        tags.parse(t) for t in record.scalars if t.startswith(tags.prefix("resid_rms", "lins"))
+    ]
+    blocks = sorted(tag.block for tag in per_block if tag is not None and tag.block is not None)
     assert blocks[0] == 0 and blocks[-1] == 39 and len(blocks) == 8
-    assert len(record.profiles["normprobe/resid_rms/lins"]) == 40
+    assert len(record.profiles[tags.format("resid_rms", "lins")]) == 40
 
 
 class CountSyncs(TorchFunctionMode):
@@ -335,10 +347,11 @@ def test_nonfinite_names_the_first_module_and_warns_once(tmp_path: Path) -> None
             model(torch.randn(2, 8))
             probe.step()
     record = probe.latest
-    assert record is not None and record.texts == {"normprobe/nonfinite/first": "lins.2"}
+    assert record is not None and record.texts == {tags.format("nonfinite", "first"): "lins.2"}
     # lins.2, then everything downstream: lns.3, lins.3, head and the root
-    assert record.scalars["normprobe/nonfinite/modules"] == 5
-    assert read_events(str(tmp_path)).texts == {"normprobe/nonfinite/first/text_summary": [0, 1]}
+    assert record.scalars[tags.format("nonfinite", "modules")] == 5
+    summary = tags.format("nonfinite", "first") + "/text_summary"  # TensorBoard's text plugin
+    assert read_events(str(tmp_path)).texts == {summary: [0, 1]}
 
 
 def test_residual_read_from_inside_a_forward(tmp_path: Path) -> None:
@@ -361,7 +374,7 @@ def test_residual_read_from_inside_a_forward(tmp_path: Path) -> None:
     assert [a.anchor.hook for a in probe.model_map.residual_adds] == ["inside", "inside"]  # type: ignore[union-attr]
     with torch.no_grad():
         first = x + model[0].fc(model[0].norm(x))
-    got = probe.latest.scalars["normprobe/resid_rms/root/0"]  # type: ignore[union-attr]
+    got = probe.latest.scalars[tags.format("resid_rms", "root", 0)]  # type: ignore[union-attr]
     assert got == pytest.approx(float(first.pow(2).mean().sqrt()))
 
 
@@ -376,7 +389,7 @@ def test_model_without_norms_logs_what_applies_and_warns_once(tmp_path: Path) ->
     assert "no residual adds" in str(record[0].message) and "no norm layers" in str(
         record[0].message
     )
-    assert probe.latest is not None and "normprobe/logits/max_abs" in probe.latest.scalars
+    assert probe.latest is not None and tags.format("logits", "max_abs") in probe.latest.scalars
 
 
 def test_bad_input() -> None:
@@ -438,7 +451,8 @@ def test_exception_in_training_leaves_no_hook_and_a_flushed_file(
             opt.step()
             opt.zero_grad()
     assert hook_count(model) == 0
-    steps = [s for s, _ in read_events(str(tmp_path)).scalars["normprobe/grad_ratio/body.lins"]]
+    ratio = read_events(str(tmp_path)).scalars[tags.format("grad_ratio", "body.lins")]
+    steps = [s for s, _ in ratio]
     assert steps == [0, 1]
 
 
@@ -479,7 +493,7 @@ def test_existing_summary_writer_stays_open(tmp_path: Path) -> None:
         probe.step()
     writer.add_scalar("mine", 1.0, 0)
     writer.close()
-    assert {"mine", "normprobe/resid_rms/lins/0"} <= set(read_events(str(tmp_path)).scalars)
+    assert {"mine", tags.format("resid_rms", "lins", 0)} <= set(read_events(str(tmp_path)).scalars)
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -521,7 +535,7 @@ def test_gradients_are_read_after_accumulation_and_unscaling(tmp_path: Path) -> 
         ]
         scaler.step(opt)
         scaler.update()
-    got = [probe.latest.scalars[f"normprobe/grad_norm/lins/{i}"] for i in range(3)]  # type: ignore[union-attr]
+    got = [probe.latest.scalars[tags.format("grad_norm", "lins", i)] for i in range(3)]  # type: ignore[union-attr]
     assert got == pytest.approx(want)
     assert probe.step_count == 1
 
@@ -538,7 +552,8 @@ def test_a_model_that_is_itself_a_norm_layer(tmp_path: Path) -> None:
     assert probe.model_map is not None and [n.path for n in probe.model_map.norms] == [""]
     assert probe.latest is not None and probe.latest.step == 1
     # after one training forward the running mean moved 10% of the way: drift ~ 2.7
-    assert probe.latest.scalars["normprobe/bn_mean_drift/root"] == pytest.approx(2.7, rel=0.05)
+    drift = probe.latest.scalars[tags.format("bn_mean_drift", "root")]
+    assert drift == pytest.approx(2.7, rel=0.05)
 
 
 def test_a_measured_nan_is_logged_as_nan_not_dropped(tmp_path: Path) -> None:
@@ -551,13 +566,13 @@ def test_a_measured_nan_is_logged_as_nan_not_dropped(tmp_path: Path) -> None:
         probe.step()
     assert probe.latest is not None
     s = probe.latest.scalars
-    assert math.isfinite(s["normprobe/resid_rms/lins/1"])
-    assert math.isnan(s["normprobe/resid_rms/lins/2"]) and math.isnan(
-        s["normprobe/resid_rms/lins/3"]
+    assert math.isfinite(s[tags.format("resid_rms", "lins", 1)])
+    assert math.isnan(s[tags.format("resid_rms", "lins", 2)]) and math.isnan(
+        s[tags.format("resid_rms", "lins", 3)]
     )
-    assert math.isnan(s["normprobe/grad_ratio/lins"])
+    assert math.isnan(s[tags.format("grad_ratio", "lins")])
     events = read_events(str(tmp_path))
-    assert math.isnan(events.scalars["normprobe/resid_rms/lins/3"][0][1])  # on disk too
+    assert math.isnan(events.scalars[tags.format("resid_rms", "lins", 3)][0][1])  # on disk too
 
 
 class _Widening(nn.Module):
@@ -602,9 +617,10 @@ def test_stream_statistics_of_blocks_with_different_widths(tmp_path: Path) -> No
     got = probe.latest.scalars
     # block 1's add widens through a Linear shortcut as deep as its branch: not a residual add
     rms = {b: float(streams[b].pow(2).mean().sqrt()) for b in (0, 2, 3)}
-    assert {k.rsplit("/", 1)[1]: v for k, v in got.items() if "resid_rms" in k} == {
-        str(b): pytest.approx(v, rel=1e-5) for b, v in rms.items()
+    resid = tags.prefix("resid_rms")
+    assert {k: v for k, v in got.items() if k.startswith(resid)} == {
+        tags.format("resid_rms", "blocks", b): pytest.approx(v, rel=1e-5) for b, v in rms.items()
     }
     cosine = F.cosine_similarity(streams[2], streams[3], dim=-1).mean()
-    assert got["normprobe/resid_cos/blocks/3"] == pytest.approx(float(cosine), rel=1e-5)
-    assert "normprobe/resid_cos/blocks/2" not in got  # block 1's stream was not read
+    assert got[tags.format("resid_cos", "blocks", 3)] == pytest.approx(float(cosine), rel=1e-5)
+    assert tags.format("resid_cos", "blocks", 2) not in got  # block 1's stream was not read

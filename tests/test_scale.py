@@ -12,6 +12,7 @@ from conftest import hook_count
 from tb import Events, read_events
 
 import normprobe
+from normprobe import tags
 from normprobe.models import ResidualStack, TinyTransformer
 from normprobe.runtime import tagged_paths
 
@@ -58,7 +59,7 @@ def test_a_1000_block_stack_is_mapped_logged_and_its_event_file_stays_small(
     assert events.histograms and all(
         len(buckets) == depth for series in events.histograms.values() for _, buckets in series
     )
-    resid = events.histograms["normprobe/resid_rms/lins"][0][1]
+    resid = events.histograms[tags.format("resid_rms", "lins")][0][1]
     assert all(v > 0 for v in resid)
 
     # scalar tags: per stack and per group of alike norms, at most CAP blocks each
@@ -67,9 +68,11 @@ def test_a_1000_block_stack_is_mapped_logged_and_its_event_file_stays_small(
     stacks = len(model_map.stacks)
     bound = stacks * (PER_BLOCK * CAP + PER_STACK) + len(norm_groups) * PER_NORM * CAP + MODEL_WIDE
     assert len(events.scalars) <= bound  # 4391 tags before norm tags were capped
-    norm_tags = [t for t in events.scalars if t.startswith("normprobe/norm_in_rms/")]
+    norm_tags = [t for t in events.scalars if t.startswith(tags.prefix("norm_in_rms"))]
     assert len(norm_tags) == CAP
-    assert {"normprobe/norm_in_rms/lns.0", "normprobe/norm_in_rms/lns.999"} <= set(norm_tags)
+    assert {tags.format("norm_in_rms", "lns.0"), tags.format("norm_in_rms", "lns.999")} <= set(
+        norm_tags
+    )
 
     # bytes: each scalar is its tag and a float32 (+ ~16 bytes of framing); each depth
     # histogram 8 + 8 bytes per block (bucket limit and count); the layout one chart per
@@ -99,22 +102,23 @@ def test_norm_and_attention_tags_are_capped_like_blocks(tmp_path: Path) -> None:
         model(x)
         probe.step()
     assert probe.latest is not None
-    tags = probe.latest.scalars
+    scalars = probe.latest.scalars
 
-    def blocks(prefix: str, suffix: str) -> list[int]:
+    def blocks(series: str, layer: str | None) -> list[int]:
+        parsed = [tags.parse(t) for t in scalars if t.startswith(tags.prefix(series, "blocks"))]
         return sorted(
-            int(t[len(prefix) :].split(".")[0])
-            for t in tags
-            if t.startswith(prefix) and t.endswith(suffix)
+            tag.block
+            for tag in parsed
+            if tag is not None and tag.block is not None and (layer is None or tag.layer == layer)
         )
 
     spread = [0, 3, 6, 8, 11]  # tagged_blocks(12, 5)
-    assert blocks("normprobe/resid_rms/blocks/", "") == spread
-    assert blocks("normprobe/norm_in_rms/blocks/", ".ln_1") == spread
-    assert blocks("normprobe/norm_out_rms/blocks/", ".ln_2") == spread
-    assert blocks("normprobe/attn_logit_max/blocks/", ".attn") == spread
-    assert "normprobe/norm_in_rms/ln_f" in tags  # a group of one keeps its tag
-    assert set(read_events(str(tmp_path)).scalars) == set(tags)
+    assert blocks("resid_rms", None) == spread
+    assert blocks("norm_in_rms", "ln_1") == spread
+    assert blocks("norm_out_rms", "ln_2") == spread
+    assert blocks("attn_logit_max", "attn") == spread
+    assert tags.format("norm_in_rms", "ln_f") in scalars  # a group of one keeps its tag
+    assert set(read_events(str(tmp_path)).scalars) == set(scalars)
 
 
 def test_tagged_paths_groups_by_template() -> None:

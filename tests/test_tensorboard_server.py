@@ -10,6 +10,7 @@ import torch
 from conftest import get_json
 
 import normprobe
+from normprobe import tags
 from normprobe.models import TinyTransformer
 
 
@@ -31,16 +32,15 @@ def test_server_lists_tags_layout_and_depth_histograms(
         if "pre_ln" in scalars or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    tags = scalars["pre_ln"]
-    assert "normprobe/grad_ratio/blocks" in tags and "normprobe/resid_rms/blocks/0" in tags
-    series = get_json(
-        f"{url}/data/plugin/scalars/scalars?run=pre_ln&tag=normprobe/grad_ratio/blocks"
-    )
+    listed = scalars["pre_ln"]
+    ratio = tags.format("grad_ratio", "blocks")
+    assert ratio in listed and tags.format("resid_rms", "blocks", 0) in listed
+    series = get_json(f"{url}/data/plugin/scalars/scalars?run=pre_ln&tag={ratio}")
     assert [point[1] for point in series] == [0, 2]
     layout = get_json(f"{url}/data/plugin/custom_scalars/layout")
     categories = {c["title"]: c["chart"] for c in layout["category"]}
     chart = categories["normprobe resid_rms"][0]
     assert chart["title"] == "blocks"
-    assert chart["multiline"]["tag"] == ["^normprobe/resid_rms/blocks/[^/]+$"]
+    assert chart["multiline"]["tag"] == [f"^{tags.prefix('resid_rms', 'blocks')}[^/]+$"]
     histograms = get_json(f"{url}/data/plugin/histograms/tags")["pre_ln"]
-    assert "normprobe/resid_rms/blocks" in histograms
+    assert tags.format("resid_rms", "blocks") in histograms
