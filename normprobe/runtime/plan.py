@@ -77,6 +77,7 @@ class ProbePlan:
         self.recorders: list[tuple[Family, Recorder]] = []
         self.outputs: list[Callable[[int, Any], None]] = []
         self.empty: list[Family] = []  # families that found nothing to read
+        self._block_tags: dict[tuple[str, str], tuple[str, list[tuple[int, str]]]] = {}
         self._shared: dict[str, Any] = {}
         self._family: Family | None = None
         self.depth = {s.path: s.depth for s in model_map.stacks}
@@ -199,6 +200,19 @@ class ProbePlan:
                 stacklevel=5,  # attach's caller (through discover_now and _install)
             )
 
+    def block_tags(self, series: str, stack: str) -> tuple[str, list[tuple[int, str]]]:
+        """The profile tag of a per-block series of a stack, and its blocks' scalar tags (at
+        most ``max_block_tags``, evenly spread), made once."""
+        key = (series, stack)
+        if key not in self._block_tags:
+            depth, name = self.depth[stack], self.stack_name(stack)
+            blocks = [
+                (b, tags.format(series, name, b, depth=depth))
+                for b in spread(depth, self.max_block_tags)
+            ]
+            self._block_tags[key] = (tags.format(series, name), blocks)
+        return self._block_tags[key]
+
     def _on(self, event: str, fn: Callback) -> None:
         assert self._family is not None, "callbacks are registered from a family's plan"
         self.callbacks[event].append((self._family, fn))
@@ -224,15 +238,13 @@ class RecordOut:
         self.record.texts[f"{tags.PREFIX}/{series}/{subject}"] = text
 
     def per_block(self, series: str, stack: str, values: Mapping[int, float]) -> None:
-        depth = self._plan.depth[stack]
-        name = self._plan.stack_name(stack)
+        profile, blocks = self._plan.block_tags(series, stack)
         scalars = self.record.scalars
-        for b in spread(depth, self._plan.max_block_tags):
+        for b, tag in blocks:
             if b in values:
-                scalars[tags.format(series, name, b, depth=depth)] = values[b]
-        self.record.profiles[tags.format(series, name)] = [
-            values.get(b, math.nan) for b in range(depth)
-        ]
+                scalars[tag] = values[b]
+        depth = self._plan.depth[stack]
+        self.record.profiles[profile] = [values.get(b, math.nan) for b in range(depth)]
 
 
 def _output_reader(
