@@ -743,7 +743,9 @@ def _scheme_fixup(t: _Target, *, mode: Any) -> None:
             wrapper.reset()  # fixup ran before: keep the scalars, reset them
         else:
             swaps.append((path, FixupScalars(t.module(path), last)))
-    for path, new in swaps:
+    # inner layers first: a layer applying weights of its own around a child weight layer
+    # (fused experts around their router) is wrapped with the child's wrapper inside it
+    for path, new in sorted(swaps, key=lambda swap: -swap[0].count(".")):
         _replace(model, path, new)
 
 

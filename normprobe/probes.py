@@ -371,7 +371,7 @@ def finite_sum(x: torch.Tensor) -> torch.Tensor:
 def finite_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A float32 value per tensor that is NaN or Inf exactly when the tensor holds one (the
     sum of its absolute values), in one batched reduction."""
-    if _any_dtensor(tensors):
+    if _any_dtensor(tensors) or any(t.dtype == torch.float64 for t in tensors):
         return torch.stack([finite_sum(t.abs()) for t in tensors])
     return _stacked(torch._foreach_norm(tensors, 1, dtype=torch.float32))
 

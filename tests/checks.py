@@ -39,8 +39,11 @@ def hooks(model: nn.Module) -> dict[str, tuple[int, ...]]:
     }
 
 
-def no_hooks(model: nn.Module) -> bool:
-    return all(not any(counts) for counts in hooks(model).values())
+def no_hooks(model: nn.Module, baseline: Mapping[str, tuple[int, ...]] | None = None) -> bool:
+    """No hook left but the model's own (``baseline``: `hooks` of the model as built; a module
+    at a path it does not name has none)."""
+    own = baseline or {}
+    return all(counts == own.get(path, (0,) * len(counts)) for path, counts in hooks(model).items())
 
 
 def placement(model: nn.Module) -> dict[str, tuple[torch.dtype, torch.device]]:
@@ -83,7 +86,12 @@ class Snapshot:
             assert torch.equal(after[k], v), f"{k} changed"
 
 
-def check_conversion(model: nn.Module, before: Snapshot, report: ConversionReport) -> None:
+def check_conversion(
+    model: nn.Module,
+    before: Snapshot,
+    report: ConversionReport,
+    own_hooks: Mapping[str, tuple[int, ...]] | None = None,
+) -> None:
     """The state_dict keeps every key but the documented ones (removed, added, renamed) and every
     value but Gemma's shifted ``1 + weight`` gains; old parameters keep dtype and device, new
     ones take the model's."""
@@ -112,7 +120,7 @@ def check_conversion(model: nn.Module, before: Snapshot, report: ConversionRepor
     assert {n for n in now if old_name.get(n, n) not in before.placement} <= set(
         report.new_parameters
     )
-    assert no_hooks(model)
+    assert no_hooks(model, own_hooks)
 
 
 def wrappers(model: nn.Module) -> dict[str, nn.Module]:
@@ -124,16 +132,26 @@ def wrappers(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def check_reinit(model: nn.Module, before: Snapshot, scheme: str) -> None:
+def check_reinit(
+    model: nn.Module,
+    before: Snapshot,
+    scheme: str,
+    own_hooks: Mapping[str, tuple[int, ...]] | None = None,
+) -> None:
     """The same Parameter objects with their dtype and device (under ``.inner`` where a scaler
     wraps their layer), finite values, the same buffers, and only the scalers' keys added."""
     wrapped = wrappers(model)
 
     def moved(key: str) -> str:
-        for path in sorted(wrapped, key=len, reverse=True):
-            if key.startswith(path + "."):
-                return f"{path}.inner.{key[len(path) + 1 :]}"
-        return key
+        """The key with ``.inner`` after every wrapper on its way (wrappers nest when a wrapped
+        layer holds another wrapped layer)."""
+        *modules, name = key.split(".")
+        path: list[str] = []
+        for part in modules:
+            path.append(part)
+            while ".".join(path) in wrapped:
+                path.append("inner")
+        return ".".join([*path, name])
 
     now = dict(model.named_parameters())
     for n, p in before.params.items():
@@ -154,4 +172,4 @@ def check_reinit(model: nn.Module, before: Snapshot, scheme: str) -> None:
     now_buffers = dict(model.named_buffers())
     for n, b in before.buffers.items():
         assert torch.equal(now_buffers[moved(n)], b), n
-    assert no_hooks(model)
+    assert no_hooks(model, own_hooks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -461,3 +462,77 @@ def test_a_forward_that_needs_its_own_hooks_is_discovered_and_keeps_them() -> No
     normprobe.discover(fresh, x)
     assert hook_count(fresh) == 3
     assert torch.equal(fresh(x), expected)
+
+
+class _ScaledSandwich(nn.Module):
+    """``x + gamma * post(fc(pre(x)))`` with the user's RMSNorm ``Scaler`` (its gain a plain
+    multiply, like a layer scale's)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.pre = Scaler(width)
+        self.fc = nn.Linear(width, width)
+        self.post = Scaler(width)
+        self.gamma = nn.Parameter(torch.full((width,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gamma * self.post(self.fc(self.pre(x)))
+
+
+def test_layer_scales_are_named_by_first_name_and_never_a_norms_gain() -> None:
+    # blocks.0 is also `alias`: its scale is blocks.0.gamma only, and the sandwich norm's gain
+    # (a multiply by a parameter, under either name) is no layer scale; the layer scale after
+    # the sandwich norm leaves it the branch's sandwich-post norm
+    model = Net([_ScaledSandwich(8) for _ in range(3)])
+    model.alias = model.blocks[0]
+    m = normprobe.discover(model, torch.randn(2, 8))
+    assert [a.scales for a in m.residual_adds] == [(f"blocks.{i}.gamma",) for i in range(3)]
+    assert [a.sandwich_norm for a in m.residual_adds] == [f"blocks.{i}.post" for i in range(3)]
+    assert Counter(n.role for n in m.norms) == {"pre": 3, "sandwich-post": 3}
+    assert m.stacks[0].placement == "sandwich"
+    normprobe.reinit(model, "zero_branch", example_inputs=(torch.randn(2, 8),), model_map=m)
+    assert all(not block.post.gain.any() for block in model.blocks)  # not the writers
+
+
+class _FusedExperts(nn.Module):
+    """Fused expert weights applied as ``F.linear(x, w[e])``, weighted by a router child."""
+
+    def __init__(self, width: int, experts: int = 2) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, experts)
+        self.w = nn.Parameter(torch.randn(experts, width, width) / math.sqrt(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [F.linear(x, w) for w in self.w]  # the experts run before their router
+        gates = torch.softmax(self.router(x), dim=-1)
+        out = torch.zeros_like(x)
+        for e, y in enumerate(outs):
+            out = out + gates[..., e : e + 1] * y
+        return out
+
+
+class _MoeBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.experts = _FusedExperts(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.experts(x)
+        return out
+
+
+def test_fixup_wraps_a_fused_expert_layer_around_its_wrapped_router() -> None:
+    # the fused experts (a writer) hold their router (a branch layer): the router's scalars
+    # go inside the experts' wrapper, where the experts' forward calls them
+    model = Net([_MoeBlock(8) for _ in range(2)])
+    x = torch.randn(2, 8)
+    m = normprobe.discover(model, x)
+    assert [(a.writers, a.writer_params, a.gates) for a in m.residual_adds] == [
+        ((f"blocks.{i}.experts",), (f"blocks.{i}.experts.w",), (f"blocks.{i}.experts.router",))
+        for i in range(2)
+    ]
+    normprobe.reinit(model, "fixup", example_inputs=(x,), model_map=m)
+    keys = set(model.state_dict())
+    assert {"blocks.0.experts.inner.w", "blocks.0.experts.inner.router.inner.weight"} <= keys
+    assert not model.blocks[0].experts.inner.w.any()
+    assert torch.equal(model(x), x)  # every branch starts at 0

@@ -3,9 +3,17 @@
 
 A `Spec` says how a model is built: depth (1-64 blocks, flat or nested in stages), the norm
 class (torch's LayerNorm or RMSNorm, or a user's RMSNorm under an unusual name), its placement
-(pre, post, sandwich, none) and QK-norm, residual or not, one or two branches per block, a
-block shared (called twice) or registered under two names, tied embedding and head, dtype, and
-the output (tensor, tuple or dict). The expected map follows from the spec alone.
+(pre, post, sandwich, none) and QK-norm (on (B, heads, T, head_dim) or per head on
+(B, T, heads, head_dim)), residual or not, one or two branches per block, serial or parallel
+(``x + (a + m)`` and ``x + a + m``), the MLP (plain, sigmoid-gated, a mixture of experts, fused
+3-D experts, or 1x1 convolutions on a channels-first view), layer scales of shape (C), (1, 1, C)
+or (C, 1, 1), output projections that are Linear subclasses computing ``x @ w.T``, the
+container of the blocks (ModuleList, a plain module's ``add_module`` children, a Sequential
+that also holds a Linear, or one block run N times), a stream passed as the blocks' second
+argument (``h = blk(ctx, h)``), a forward that reads the blocks' outputs from its own forward
+hooks, a block shared (called twice) or registered under two names, tied embedding and head,
+dtype, and the output (tensor, tuple or dict). The expected map, the writers of every residual
+add and the std `reinit(model, "gpt2")` gives every weight follow from the spec alone.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import math
 import tempfile
 import warnings
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +52,8 @@ from normprobe import ModelMap
 VOCAB = 16
 TOKENS = 4
 N_OUT = 4
+EXPERTS = 2
+STD = 0.02  # gpt2's default
 
 
 class Levelizer(nn.Module):
@@ -66,11 +78,11 @@ NORMS: dict[str, tuple[type[nn.Module], str]] = {
 @dataclass(frozen=True)
 class Spec:
     width: int
-    stages: int  # 0: one flat stack `blocks`; n: `stages.i.blocks`, n stages
+    stages: int  # 0: one flat stack `stack`; n: `stack.i.blocks`, n stages
     per_stage: int  # blocks per stage (the whole depth when flat)
     norm: str
-    placement: str  # pre, post, sandwich, none
-    qk: bool
+    placement: str  # pre, post, sandwich, none (parallel blocks: pre or none, one shared norm)
+    qk: str  # none; bhtd: norms on (B, heads, T, hd); bthd: per head on (B, T, heads, hd)
     final: bool
     residual: bool
     branches: tuple[str, ...]  # ("attn", "mlp") or ("mlp",)
@@ -79,65 +91,183 @@ class Spec:
     tied: bool
     output: str  # tensor, tuple, dict
     dtype: torch.dtype
+    mix: str = "serial"  # serial; sum: x + (a + m); chain: x + a + m (both parallel)
+    mlp: str = "plain"  # plain, gated, moe, fused (3-D expert weights), conv (channels-first)
+    linear: str = "nn"  # nn; matmul: the output projections compute x @ self.weight.T
+    scale: str = "none"  # none; c: (C); 11c: (1, 1, C); c11: (C, 1, 1) inside the conv MLP
+    container: str = "list"  # list, plain (add_module + children()), seq (Linear first), repeat
+    arg2: bool = False  # h = blk(ctx, h); attention reads cat(h, ctx) (class attention)
+    hooked: bool = False  # the forward reads each top-level block's output from its own hook
 
     @property
-    def depth(self) -> int:
-        return max(self.stages, 1) * self.per_stage
+    def parallel(self) -> bool:
+        return self.mix != "serial"
 
     @property
-    def calls(self) -> int:
-        """Block calls in one forward: the stack's blocks, plus the shared block twice."""
-        return self.depth + (2 if self.shared == "twice" else 0)
+    def has_qk(self) -> bool:
+        return self.qk != "none" and "attn" in self.branches
+
+    @property
+    def instances(self) -> int:
+        """Block modules of the stack (one per stage when a block runs N times)."""
+        return max(self.stages, 1) * (1 if self.container == "repeat" else self.per_stage)
 
     @property
     def block_norms(self) -> int:
-        per_branch = {"pre": 1, "post": 1, "sandwich": 2, "none": 0}[self.placement]
-        qk = 2 if self.qk and "attn" in self.branches else 0
-        return per_branch * len(self.branches) + qk
+        if self.parallel:
+            own = 1 if self.placement == "pre" else 0
+        else:
+            per_branch = {"pre": 1, "post": 1, "sandwich": 2, "none": 0}[self.placement]
+            own = per_branch * len(self.branches)
+        return own + (2 if self.has_qk else 0)
 
     @property
     def has_norms(self) -> bool:
         return self.block_norms > 0 or self.final
 
     def expected_norms(self) -> int:
-        blocks = self.depth + (1 if self.shared == "twice" else 0)
+        blocks = self.instances + (1 if self.shared == "twice" else 0)
         return blocks * self.block_norms + int(self.final)
 
 
+class MatLinear(nn.Linear):
+    """A Linear whose forward is a matmul by its transposed weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
+def _linear(spec: Spec, d_in: int, d_out: int) -> nn.Linear:
+    return MatLinear(d_in, d_out) if spec.linear == "matmul" else nn.Linear(d_in, d_out)
+
+
 class Attention(nn.Module):
-    def __init__(self, d: int, make_norm: Any) -> None:
+    def __init__(self, spec: Spec, make_norm: Any) -> None:
         super().__init__()
+        d = spec.width
         self.heads = 2
+        self.layout = spec.qk
         self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
+        self.proj = _linear(spec, d, d)
         hd = d // self.heads
         self.q_norm = make_norm(hd) if make_norm is not None else None
         self.k_norm = make_norm(hd) if make_norm is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    def forward(self, x: torch.Tensor, queries: int | None = None) -> torch.Tensor:
+        """Self-attention (causal), or the first ``queries`` tokens attending to all of x."""
+        b, s, d = x.shape
+        t = s if queries is None else queries
+        qkv = self.qkv(x).view(b, s, 3, self.heads, d // self.heads)
+        if self.layout == "bthd":  # per-head norms before the heads move to dim 1
+            q, k, v = qkv.unbind(2)
+            q = q[:, :t]
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            q, k, v = qkv.permute(2, 0, 3, 1, 4)
+            q = q[:, :, :t]
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=queries is None)
         out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, d))
         return out
 
 
 class Mlp(nn.Module):
-    def __init__(self, d: int) -> None:
+    def __init__(self, spec: Spec) -> None:
         super().__init__()
+        d = spec.width
         self.fc1 = nn.Linear(d, 2 * d)
-        self.fc2 = nn.Linear(2 * d, d)
+        self.fc2 = _linear(spec, 2 * d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.fc2(F.gelu(self.fc1(x)))
         return out
 
 
+class GatedMlp(Mlp):
+    """``sigmoid(gate(x)) * fc2(gelu(fc1(x)))``, the gate a Linear(d, 1)."""
+
+    def __init__(self, spec: Spec) -> None:
+        super().__init__(spec)
+        self.gate = nn.Linear(spec.width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(x)) * super().forward(x)
+
+
+class Moe(nn.Module):
+    """Softmax router weights times each expert's output, summed."""
+
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        self.router = nn.Linear(spec.width, EXPERTS)
+        self.experts = nn.ModuleList(Mlp(spec) for _ in range(EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.softmax(self.router(x), dim=-1)
+        out = w[..., 0:1] * self.experts[0](x)
+        for e in range(1, EXPERTS):
+            out = out + w[..., e : e + 1] * self.experts[e](x)
+        return out
+
+
+class FusedMoe(nn.Module):
+    """Experts as 3-D weights (E, out, in), expert e applied as ``F.linear(x, W[e])``."""
+
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        d = spec.width
+        self.router = nn.Linear(d, EXPERTS)
+        self.w1 = nn.Parameter(torch.randn(EXPERTS, 2 * d, d) / math.sqrt(d))
+        self.w2 = nn.Parameter(torch.randn(EXPERTS, d, 2 * d) / math.sqrt(2 * d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.softmax(self.router(x), dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(EXPERTS):
+            out = out + w[..., e : e + 1] * F.linear(F.gelu(F.linear(x, self.w1[e])), self.w2[e])
+        return out
+
+
+class ConvMlp(nn.Module):
+    """1x1 convolutions on the (B, C, T, 1) view, with a (C, 1, 1) layer scale if asked."""
+
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        d = spec.width
+        self.fc1 = nn.Conv2d(d, 2 * d, 1)
+        self.fc2 = nn.Conv2d(2 * d, d, 1)
+        self.gamma = nn.Parameter(torch.full((d, 1, 1), 0.5)) if spec.scale == "c11" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc2(F.gelu(self.fc1(x.transpose(1, 2).unsqueeze(-1))))
+        if self.gamma is not None:
+            y = y * self.gamma
+        return y.squeeze(-1).transpose(1, 2)
+
+
+MLPS: dict[str, type[nn.Module]] = {
+    "plain": Mlp,
+    "gated": GatedMlp,
+    "moe": Moe,
+    "fused": FusedMoe,
+    "conv": ConvMlp,
+}
+
+
+def _block_scale(spec: Spec, branch: str) -> bool:
+    """Whether the block multiplies this branch's output by a layer scale of its own."""
+    return spec.scale in ("c", "11c") or (spec.scale == "c11" and branch == "attn")
+
+
 class Block(nn.Module):
-    """For each branch: ``x = x + f(n(x))`` (pre), ``n(x + f(x))`` (post), ``x + n2(f(n1(x)))``
-    (sandwich) or ``x + f(x)``; without the residual, the same with ``x +`` left out."""
+    """Serial, for each branch: ``x = x + f(n(x))`` (pre), ``n(x + f(x))`` (post),
+    ``x + n2(f(n1(x)))`` (sandwich) or ``x + f(x)``; without the residual, the same with ``x +``
+    left out. Parallel: ``x + (a(n(x)) + m(n(x)))`` or ``x + a(n(x)) + m(n(x))``. A layer
+    scale multiplies each branch's output last; with a context (the stream is the second
+    argument), attention reads ``cat(h, ctx)``."""
 
     def __init__(self, spec: Spec) -> None:
         super().__init__()
@@ -145,37 +275,96 @@ class Block(nn.Module):
         cls = NORMS[spec.norm][0]
         d = spec.width
         for b in spec.branches:
-            qk_norm = cls if spec.qk and b == "attn" else None
-            self.add_module(b, Attention(d, qk_norm) if b == "attn" else Mlp(d))
+            qk_norm = cls if spec.qk != "none" and b == "attn" else None
+            self.add_module(b, Attention(spec, qk_norm) if b == "attn" else MLPS[spec.mlp](spec))
+            if spec.parallel:
+                continue
             if spec.placement in ("pre", "sandwich"):
                 self.add_module(f"{b}_in", cls(d))
             if spec.placement == "sandwich":
                 self.add_module(f"{b}_post", cls(d))
             if spec.placement == "post":
                 self.add_module(f"{b}_out", cls(d))
+        if spec.parallel and spec.placement == "pre":
+            self.ln = cls(d)
+        for b in spec.branches:
+            if _block_scale(spec, b):
+                shape = (1, 1, d) if spec.scale == "11c" else (d,)
+                self.register_parameter(f"{b}_scale", nn.Parameter(torch.full(shape, 0.5)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, b: str, h: torch.Tensor, queries: int | None) -> torch.Tensor:
+        out: torch.Tensor = self.attn(h, queries) if b == "attn" else self.mlp(h)
+        if self.spec.placement == "sandwich" and not self.spec.parallel:
+            out = getattr(self, f"{b}_post")(out)
+        if _block_scale(self.spec, b):
+            out = out * getattr(self, f"{b}_scale")
+        return out
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        ctx, x = args if self.spec.arg2 else (None, args[0])
         p = self.spec.placement
+        if self.spec.parallel:
+            h = self.ln(x) if p == "pre" else x
+            a, m = self.run("attn", h, None), self.run("mlp", h, None)
+            return x + (a + m) if self.spec.mix == "sum" else x + a + m
         for b in self.spec.branches:
-            h = getattr(self, f"{b}_in")(x) if p in ("pre", "sandwich") else x
-            h = getattr(self, b)(h)
-            if p == "sandwich":
-                h = getattr(self, f"{b}_post")(h)
+            joined = b == "attn" and ctx is not None
+            h = torch.cat([x, ctx], dim=1) if joined else x
+            h = getattr(self, f"{b}_in")(h) if p in ("pre", "sandwich") else h
+            h = self.run(b, h, x.shape[1] if joined else None)
             x = x + h if self.spec.residual else h
             if p == "post":
                 x = getattr(self, f"{b}_out")(x)
         return x
 
 
+def _container(spec: Spec) -> nn.Module:
+    n = spec.per_stage
+    if spec.container == "repeat":
+        return Block(spec)
+    if spec.container == "plain":
+        plain = nn.Module()
+        for i in range(n):
+            plain.add_module(str(i), Block(spec))
+        return plain
+    if spec.container == "seq":
+        return nn.Sequential(nn.Linear(spec.width, spec.width), *(Block(spec) for _ in range(n)))
+    return nn.ModuleList(Block(spec) for _ in range(n))
+
+
+def _layers(spec: Spec, container: nn.Module) -> list[nn.Module]:
+    """The modules a loop over ``container`` calls, in order."""
+    if spec.container == "repeat":
+        return [container] * spec.per_stage
+    return list(container.children())
+
+
+def _first_block(spec: Spec, container: nn.Module) -> nn.Module:
+    return _layers(spec, container)[1 if spec.container == "seq" else 0]
+
+
+def _call(layer: nn.Module, h: torch.Tensor, ctx: torch.Tensor | None) -> torch.Tensor:
+    out: torch.Tensor = layer(h) if ctx is None else layer(ctx, h)
+    return out
+
+
+def _run(spec: Spec, container: nn.Module, h: torch.Tensor, ctx: torch.Tensor | None) -> Any:
+    if spec.container == "seq":
+        return container(h)
+    for layer in _layers(spec, container):
+        h = _call(layer, h, ctx)
+    return h
+
+
 class Stage(nn.Module):
     def __init__(self, spec: Spec) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.per_stage))
+        self.spec = spec
+        self.blocks = _container(spec)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
+    def forward(self, *args: torch.Tensor) -> Any:
+        ctx, x = args if self.spec.arg2 else (None, args[0])
+        return _run(self.spec, self.blocks, x, ctx)
 
 
 class Net(nn.Module):
@@ -184,12 +373,14 @@ class Net(nn.Module):
         self.spec = spec
         d = spec.width
         self.inp: nn.Module = nn.Embedding(VOCAB, d) if spec.tokens else nn.Linear(d, d)
+        if spec.arg2:
+            self.start = nn.Linear(d, d)
         self.stack = (
             nn.ModuleList(Stage(spec) for _ in range(spec.stages))
             if spec.stages
-            else nn.ModuleList(Block(spec) for _ in range(spec.per_stage))
+            else _container(spec)
         )
-        first = self.stack[0].blocks[0] if spec.stages else self.stack[0]
+        first = _first_block(spec, self.stack[0].blocks if spec.stages else self.stack)
         if spec.shared == "twice":
             self.shared = Block(spec)
         elif spec.shared == "alias":
@@ -198,13 +389,38 @@ class Net(nn.Module):
         self.head = nn.Linear(d, VOCAB if spec.tokens else N_OUT, bias=False)
         if spec.tied:
             self.head.weight = self.inp.weight
+        self.seen: list[torch.Tensor] = []
+        if spec.hooked:
+            for layer in dict.fromkeys(self._top()):
+                layer.register_forward_hook(self._collect)
+
+    def _top(self) -> list[nn.Module]:
+        """The layers the root's loop calls: the stages, or the blocks of a flat stack."""
+        if self.spec.stages:
+            return list(self.stack)
+        return _layers(self.spec, self.stack)
+
+    def _collect(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        self.seen.append(out)
 
     def forward(self, x: torch.Tensor) -> Any:
         h = self.inp(x)
-        for layer in self.stack:
-            h = layer(h)
+        ctx = None
+        if self.spec.arg2:
+            ctx, h = h, self.start(h)
+        if self.spec.hooked:  # each layer reads what the hook kept of the one before
+            self.seen[:] = [h]
+            for layer in self._top():
+                _call(layer, self.seen[-1], ctx)
+            h = self.seen[-1]
+            self.seen.clear()
+        elif self.spec.stages:
+            for stage in self.stack:
+                h = _call(stage, h, ctx)
+        else:
+            h = _run(self.spec, self.stack, h, ctx)
         if self.spec.shared == "twice":
-            h = self.shared(self.shared(h))
+            h = _call(self.shared, _call(self.shared, h, ctx), ctx)
         if self.final is not None:
             h = self.final(h)
         y = self.head(h)
@@ -224,21 +440,36 @@ def specs(draw: st.DrawFn) -> Spec:
     else:
         stages, per_stage = 0, draw(st.integers(7, 64) if deep else st.integers(1, 6))
     tokens = draw(st.booleans())
+    mix = draw(st.sampled_from(["serial", "serial", "sum", "chain"]))
+    parallel = mix != "serial"
+    placements = ["pre", "none"] if parallel else ["pre", "post", "sandwich", "none"]
+    scale = draw(st.sampled_from(["none", "none", "c", "11c", "c11"]))
+    mlps = ["plain", "conv"] if parallel else ["plain", "plain", "gated", "moe", "fused", "conv"]
+    container = draw(st.sampled_from(["list", "list", "plain", "seq", "repeat"]))
     return Spec(
         width=draw(st.sampled_from([8, 16])),
         stages=stages,
         per_stage=per_stage,
         norm=draw(st.sampled_from(list(NORMS))),
-        placement=draw(st.sampled_from(["pre", "post", "sandwich", "none"])),
-        qk=draw(st.booleans()),
+        placement=draw(st.sampled_from(placements)),
+        qk=draw(st.sampled_from(["none", "bhtd", "bthd"])),
         final=draw(st.booleans()),
-        residual=draw(st.booleans()),
-        branches=draw(st.sampled_from([("attn", "mlp"), ("mlp",)])),
+        residual=parallel or draw(st.booleans()),
+        branches=("attn", "mlp")
+        if parallel
+        else draw(st.sampled_from([("attn", "mlp"), ("mlp",)])),
         shared=draw(st.sampled_from(["none", "twice", "alias"])),
         tokens=tokens,
         tied=tokens and draw(st.booleans()),
         output=draw(st.sampled_from(["tensor", "tuple", "dict"])),
         dtype=draw(st.sampled_from([torch.float32, torch.float64])),
+        mix=mix,
+        mlp="conv" if scale == "c11" else draw(st.sampled_from(mlps)),
+        linear=draw(st.sampled_from(["nn", "matmul"])),
+        scale=scale,
+        container=container,
+        arg2=not parallel and container != "seq" and draw(st.integers(0, 3)) == 0,
+        hooked=draw(st.integers(0, 3)) == 0,
     )
 
 
@@ -257,51 +488,210 @@ def _loss(out: Any, x: torch.Tensor) -> torch.Tensor:
     return y.float().pow(2).mean()
 
 
-def _stack_paths(spec: Spec) -> dict[str, int]:
-    """Stacks discovery must report (two or more blocks in a chain), with their depths."""
-    if not spec.stages:
-        return {"stack": spec.per_stage} if spec.per_stage >= 2 else {}
-    found = {"stack": spec.stages} if spec.stages >= 2 else {}
-    if spec.per_stage >= 2:
-        found |= {f"stack.{i}.blocks": spec.per_stage for i in range(spec.stages)}
+# --------------------------------------------------------------------------------------------
+# What the spec built: stacks, block calls, residual adds and their writers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpectedStack:
+    blocks: tuple[str, ...]
+    repeated: bool = False
+
+
+def _block_paths(spec: Spec, prefix: str) -> list[str]:
+    """The block module called at each step of the loop over the container at ``prefix``."""
+    n = spec.per_stage
+    if spec.container == "repeat":
+        return [prefix] * n
+    first = 1 if spec.container == "seq" else 0
+    return [f"{prefix}.{i + first}" for i in range(n)]
+
+
+def _inner_stack(spec: Spec, prefix: str) -> tuple[str, ExpectedStack] | None:
+    """The stack of the blocks in the container at ``prefix``: two or more in a chain; held
+    outside a ModuleList (a plain module, a Sequential of several classes, one block run N
+    times), only when they perform residual adds."""
+    if spec.per_stage < 2 or (spec.container != "list" and not spec.residual):
+        return None
+    blocks = tuple(_block_paths(spec, prefix))
+    if spec.container == "seq":
+        return f"{prefix}[1..{spec.per_stage}]", ExpectedStack(blocks)
+    return prefix, ExpectedStack(blocks, repeated=spec.container == "repeat")
+
+
+def _stacks(spec: Spec) -> dict[str, ExpectedStack]:
+    """Every stack discovery must report (stages, the blocks of each, a shared block's runs)."""
+    found: dict[str, ExpectedStack] = {}
+    if spec.stages:
+        if spec.stages >= 2:
+            found["stack"] = ExpectedStack(tuple(f"stack.{s}" for s in range(spec.stages)))
+        for s in range(spec.stages):
+            inner = _inner_stack(spec, f"stack.{s}.blocks")
+            if inner is not None:
+                found[inner[0]] = inner[1]
+    elif (inner := _inner_stack(spec, "stack")) is not None:
+        found[inner[0]] = inner[1]
+    if spec.shared == "twice" and spec.residual:  # one module run twice in a chain
+        found["shared"] = ExpectedStack(("shared", "shared"), repeated=True)
+        if _beside_shared(spec):
+            found["[stack..shared]"] = ExpectedStack(("stack", "shared"))
     return found
+
+
+def _beside_shared(spec: Spec) -> bool:
+    """A flat stack of one block run N times is a Block child of the root, next to the shared
+    one: two blocks of one class in a chain, with adds, held by a plain module."""
+    return not spec.stages and spec.container == "repeat" and spec.shared == "twice"
+
+
+@dataclass(frozen=True)
+class ExpectedAdd:
+    module: str
+    stack: str | None
+    block: int | None
+    writers: tuple[str, ...]
+    writer_params: tuple[str, ...]
+    gates: tuple[str, ...]
+    scales: tuple[str, ...]
+    parallel: bool
+
+
+def _block_calls(spec: Spec) -> list[tuple[str, str | None, int | None]]:
+    """(block path, its innermost stack, index there) of every block call, in order."""
+    calls: list[tuple[str, str | None, int | None]] = []
+    if spec.stages:
+        for s in range(spec.stages):
+            prefix = f"stack.{s}.blocks"
+            inner = _inner_stack(spec, prefix)
+            for i, path in enumerate(_block_paths(spec, prefix)):
+                if inner is not None:
+                    calls.append((path, inner[0], i))
+                else:
+                    calls.append((path, "stack", s) if spec.stages >= 2 else (path, None, None))
+    else:
+        inner = _inner_stack(spec, "stack")
+        for i, path in enumerate(_block_paths(spec, "stack")):
+            if inner is not None:
+                calls.append((path, inner[0], i))
+            elif _beside_shared(spec) and spec.residual:
+                calls.append((path, "[stack..shared]", 0))
+            else:
+                calls.append((path, None, None))
+    if spec.shared == "twice":
+        calls += [("shared", "shared", 0), ("shared", "shared", 1)]
+    return calls
+
+
+def _branch_writes(
+    spec: Spec, block: str, b: str
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(writers, writer params, gates, scales) of one branch of the block at ``block``."""
+    scales = (f"{block}.{b}_scale",) if _block_scale(spec, b) else ()
+    if b == "attn":
+        return (f"{block}.attn.proj",), (f"{block}.attn.proj.weight",), (), scales
+    mlp = f"{block}.mlp"
+    if spec.mlp == "moe":
+        writers = tuple(f"{mlp}.experts.{e}.fc2" for e in range(EXPERTS))
+        return writers, tuple(f"{w}.weight" for w in writers), (f"{mlp}.router",), scales
+    if spec.mlp == "fused":  # the module holding the fused weights writes through w2
+        return (mlp,), (f"{mlp}.w2",), (f"{mlp}.router",), scales
+    gates = (f"{mlp}.gate",) if spec.mlp == "gated" else ()
+    if spec.scale == "c11" and spec.mlp == "conv":
+        scales = (f"{mlp}.gamma",)
+    return (f"{mlp}.fc2",), (f"{mlp}.fc2.weight",), gates, scales
+
+
+def _adds(spec: Spec) -> list[ExpectedAdd]:
+    """Every residual add, in execution order, with what its branch writes."""
+    if not spec.residual:
+        return []
+    found = []
+    for block, stack, index in _block_calls(spec):
+        groups = [spec.branches] if spec.parallel else [(b,) for b in spec.branches]
+        for group in groups:
+            parts = [_branch_writes(spec, block, b) for b in group]
+            found.append(
+                ExpectedAdd(
+                    block,
+                    stack,
+                    index,
+                    *(tuple(q for part in parts for q in part[k]) for k in range(4)),
+                    parallel=spec.parallel,
+                )
+            )
+    return found
+
+
+def _writer_stds(spec: Spec) -> dict[str, float]:
+    """gpt2's std for each weight writing into the stream: std/sqrt(2N), N the blocks (or runs)
+    of the add's own stack; outside any stack, the deepest stack's, else the number of adds."""
+    stacks = _stacks(spec)
+    adds = _adds(spec)
+    fallback = max((len(s.blocks) for s in stacks.values()), default=len(adds))
+    return {
+        q: STD / math.sqrt(2 * (len(stacks[a.stack].blocks) if a.stack else fallback))
+        for a in adds
+        for q in a.writer_params
+    }
 
 
 def _check_map(spec: Spec, m: ModelMap) -> None:
     kind = NORMS[spec.norm][1]
     assert len(m.norms) == spec.expected_norms(), m
     assert all(n.kind == kind for n in m.norms), Counter(n.kind for n in m.norms)
-    adds = spec.calls * len(spec.branches) if spec.residual else 0
-    assert len(m.residual_adds) == adds, m
-    stacks = {s.path: s.depth for s in m.stacks}
-    expected_stacks = _stack_paths(spec)
-    assert {p: stacks.get(p) for p in expected_stacks} == expected_stacks, m
+    expected_adds = _adds(spec)
+    assert len(m.residual_adds) == len(expected_adds), m
+    expected_stacks = _stacks(spec)
+    stacks = {s.path: ExpectedStack(s.blocks, s.repeated) for s in m.stacks}
+    assert stacks == expected_stacks, m
     assert m.head == "head"
+    found = [
+        ExpectedAdd(
+            a.module,
+            a.stack,
+            a.block,
+            a.writers,
+            a.writer_params,
+            a.gates,
+            a.scales,
+            a.parallel,
+        )
+        for a in m.residual_adds
+    ]
+    for got, want in zip(found, expected_adds, strict=True):
+        assert got == want, (got, want)
+    assert not any(a.open_path for a in m.residual_adds), m
     if not spec.residual:
         return
-    n_stack_blocks = spec.depth
     roles = Counter(n.role for n in m.norms)
     # a norm on an add's sum is "post" wherever it sits
-    per_block = {
-        "pre": {"pre": len(spec.branches)},
-        "post": {"post": len(spec.branches)},
-        "sandwich": {"pre": len(spec.branches), "sandwich-post": len(spec.branches)},
-        "none": {},
-    }[spec.placement]
-    if spec.qk and "attn" in spec.branches:
+    if spec.parallel:
+        per_block = {"pre": 1} if spec.placement == "pre" else {}
+    else:
+        per_block = {
+            "pre": {"pre": len(spec.branches)},
+            "post": {"post": len(spec.branches)},
+            "sandwich": {"pre": len(spec.branches), "sandwich-post": len(spec.branches)},
+            "none": {},
+        }[spec.placement]
+    if spec.has_qk:
         per_block = per_block | {"qk": 2}
     if spec.shared != "twice":  # the shared block's norms sit outside any stack
-        expected = Counter({r: k * n_stack_blocks for r, k in per_block.items()})
+        expected = Counter({r: k * spec.instances for r, k in per_block.items()})
         if spec.final:  # after the last block of a stack; with no stack, it normalizes the
             # last sum of a block without norms (post), or follows a normed block (other)
             lone = "post" if spec.placement == "none" else "other"
-            expected["final" if _stack_paths(spec) else lone] += 1
+            expected["final" if expected_stacks else lone] += 1
         assert roles == expected, m
     placement = {"pre": "pre-ln", "post": "post-ln", "sandwich": "sandwich", "none": "no-norm"}
-    inner = [p for p in expected_stacks if (p == "stack" and not spec.stages) or ".blocks" in p]
+    # the stacks whose blocks perform the adds
+    inner = {a.stack for a in expected_adds if a.stack is not None and a.stack != "shared"}
     for p in inner:
-        assert m.stack(p).placement == placement[spec.placement], m
-        assert m.stack(p).qk_norm == (spec.qk and "attn" in spec.branches), m
+        s = m.stack(p)
+        assert s.norm_placement == placement[spec.placement], m
+        assert s.placement == ("parallel" if spec.parallel else s.norm_placement), m
+        assert s.qk_norm == spec.has_qk, m
 
 
 def _train(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, steps: int) -> None:
@@ -327,8 +717,10 @@ def _expect_reinit(spec: Spec, scheme: str) -> str | None:
         return None
     if not spec.residual:
         return NO_ADDS
-    # a block run twice links its post norms to the sums of its first run only: refused
-    if scheme == "deepnorm" and (spec.placement != "post" or spec.shared == "twice"):
+    # a block run several times links its post norms to the sums of its first run only: the
+    # adds of its other runs have no post norm, and deepnorm refuses them
+    runs_again = spec.shared == "twice" or (spec.container == "repeat" and spec.per_stage > 1)
+    if scheme == "deepnorm" and (spec.placement != "post" or runs_again):
         return NOT_POST_LN
     return None
 
@@ -362,6 +754,54 @@ def _probe(model: nn.Module, x: torch.Tensor, baseline: Any, fault: bool) -> Mod
         handle.remove()
         assert hooks(model) == baseline, "a hook is left after an exception inside forward"
         return probe.model_map
+
+
+@contextmanager
+def _normal_stds() -> Iterator[dict[int, float]]:
+    """The std each tensor gets from ``torch.nn.init.normal_`` meanwhile, by tensor id."""
+    seen: dict[int, float] = {}
+    original = nn.init.normal_
+
+    def record(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, **kw: Any) -> Any:
+        seen[id(tensor)] = std
+        return original(tensor, mean, std, **kw)
+
+    nn.init.normal_ = record  # type: ignore[assignment]
+    try:
+        yield seen
+    finally:
+        nn.init.normal_ = original
+
+
+def _is_layer_scale(name: str) -> bool:
+    return name.endswith("_scale") or name.endswith(".gamma")
+
+
+def _check_scheme(spec: Spec, scheme: str, before: Snapshot, stds: dict[int, float]) -> None:
+    """What the scheme did to the weights the spec says write into the stream."""
+    writers = _writer_stds(spec)
+    if scheme == "gpt2":  # every matrix N(0, 0.02), the writers N(0, 0.02/sqrt(2N))
+        seen: set[int] = set()
+        for name, p in before.params.items():
+            if p.ndim < 2 or id(p) in seen:
+                continue
+            seen.add(id(p))
+            want = None if _is_layer_scale(name) else writers.get(name, STD)
+            got = stds.get(id(p))
+            assert (got is None) if want is None else math.isclose(got or 0, want), (
+                name,
+                got,
+                want,
+            )
+    zeroed = scheme == "fixup" or (scheme == "zero_branch" and spec.placement != "sandwich")
+    if zeroed:  # the writers start at 0 (a sandwich norm's gain, when one ends the branch)
+        for name in writers:
+            assert not before.params[name].any(), name
+    elif scheme == "zero_branch":
+        ends = {f"{a.module}.{b}_post" for a in _adds(spec) for b in spec.branches}
+        for name, p in before.params.items():
+            if name.rpartition(".")[0] in ends:
+                assert not p.any(), name
 
 
 TARGETS = ["layernorm", "rmsnorm", "groupnorm", "dyt", "identity", "batchnorm"]
@@ -413,7 +853,7 @@ def test_generated_model(spec: Spec, targets: list[str], scheme: str, fault: boo
             continue
         assert refusal is None, (target, report)
         assert len(report.conversions) + len(report.kept) == spec.expected_norms()
-        check_conversion(converted, start, report)
+        check_conversion(converted, start, report, baseline)
         out = converted(x)
         assert all(t.isfinite().all() for t in tensors(out))
         assert all(t.dtype == spec.dtype for t in tensors(out))
@@ -422,7 +862,7 @@ def test_generated_model(spec: Spec, targets: list[str], scheme: str, fault: boo
     start = Snapshot.of(reinitialized)
     refusal = _expect_reinit(spec, scheme)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _normal_stds() as stds:
             warnings.simplefilter("ignore", UserWarning)  # fixup's tied-head notice
             normprobe.reinit(reinitialized, scheme, example_inputs=(x,), model_map=model_map)
     except ValueError as err:
@@ -430,7 +870,8 @@ def test_generated_model(spec: Spec, targets: list[str], scheme: str, fault: boo
         start.unchanged(reinitialized)
         return
     assert refusal is None, scheme
-    check_reinit(reinitialized, start, scheme)
+    check_reinit(reinitialized, start, scheme, baseline)
+    _check_scheme(spec, scheme, start, stds)
     assert all(t.isfinite().all() for t in tensors(reinitialized(x)))
 
 

@@ -31,7 +31,7 @@ from .model_map import (
 )
 from .residual import FoundAdd, find_residual_adds
 from .stacks import FoundStack, executed_stacks, structural_stacks
-from .trace import MATMUL_OPS, SDPA_OPS, Graph, Key, trace
+from .trace import MATMUL_OPS, SCALE_OPS, SDPA_OPS, Graph, Key, trace
 
 
 class DiscoveryWarning(UserWarning):
@@ -357,7 +357,10 @@ class _Builder:
             call = g.calls[cid]
             if call.in_nodes and call.out_nodes:  # the first floating-point input and output
                 io[path] = (g.alias[call.in_nodes[0]], call.out_nodes[0])
-        branch_of = {g.alias[b]: i for i, a in enumerate(adds) for b in a.branches}
+        # a branch's output, also seen before a layer scale multiplies it
+        branch_of = {
+            n: i for i, a in enumerate(adds) for b in a.branches for n in _before_scales(g, b)
+        }
         stream_of: dict[int, list[int]] = {}
         for i, a in enumerate(adds):
             stream_of.setdefault(g.alias[a.stream], []).append(i)
@@ -517,9 +520,13 @@ class _Builder:
         w = a.writes
         writers = tuple(dict.fromkeys(o for n in w.writers if (o := g.owner[n]) is not None))
         norm_paths = {n.path for n in norm_layers}
+        # a norm's own gain is no layer scale, under any of the norm's names
         scales = tuple(
             dict.fromkeys(
-                q for n in w.scales for q in g.param_src[n] if _parent(q) not in norm_paths
+                q
+                for n in w.scales
+                if not any(_parent(q) in norm_paths for q in g.param_src[n])
+                for q in _canonical(g, n)
             )
         )
         return ResidualAdd(
@@ -680,6 +687,18 @@ def _feeding_scores(g: Graph) -> set[int]:
     return seen
 
 
+def _before_scales(g: Graph, node: int) -> list[int]:
+    """The roots (through views) of ``node`` and of what it was computed from through layer
+    scales (elementwise multiplies by a parameter): a norm there still ends the branch."""
+    chain = [g.alias[node]]
+    while g.op[chain[-1]] in SCALE_OPS and g.uses_param[chain[-1]]:
+        inputs = [i for i in g.inputs[chain[-1]] if g.floating[i]]
+        if len(inputs) != 1:
+            break
+        chain.append(g.alias[inputs[0]])
+    return chain
+
+
 def _plain_path(g: Graph, start: int, end: int) -> bool:
     """Whether node ``end`` derives from ``start`` on a path through no weight op."""
     todo, seen = [end], set()
@@ -696,6 +715,14 @@ def _plain_path(g: Graph, start: int, end: int) -> bool:
 
 def _within(path: str, block: str) -> bool:
     return path == block or path.startswith(block + ".")
+
+
+def _canonical(g: Graph, node: int) -> tuple[str, ...]:
+    """The names of the parameters ``node`` reads as the module applying them holds them (a
+    block registered under two names goes by its first, as writers do)."""
+    names = g.param_src[node]
+    held = tuple(q for q in names if _parent(q) == g.owner[node])
+    return held or names[:1]
 
 
 def _parent(qualified: str) -> str:
