@@ -536,3 +536,32 @@ def test_fixup_wraps_a_fused_expert_layer_around_its_wrapped_router() -> None:
     assert {"blocks.0.experts.inner.w", "blocks.0.experts.inner.router.inner.weight"} <= keys
     assert not model.blocks[0].experts.inner.w.any()
     assert torch.equal(model(x), x)  # every branch starts at 0
+
+
+class _SharedPostLN(nn.Module):
+    """ALBERT's pattern: one Post-LN block ``ln(x + lin(x))`` run ``runs`` times."""
+
+    def __init__(self, width: int = 8, runs: int = 4) -> None:
+        super().__init__()
+        self.runs = runs
+        self.block = nn.ModuleDict({"lin": nn.Linear(width, width), "ln": nn.LayerNorm(width)})
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.runs):
+            x = self.block["ln"](x + self.block["lin"](x))
+        return self.head(x)
+
+
+def test_a_shared_post_ln_block_has_its_norm_after_every_run() -> None:
+    model = _SharedPostLN(runs=4)
+    x = torch.randn(3, 8)
+    m = normprobe.discover(model, x)
+    assert len(m.residual_adds) == 4
+    assert [a.post_norm for a in m.residual_adds] == ["block.ln"] * 4
+    [stack] = m.stacks
+    assert stack.repeated and stack.depth == 4
+    # DeepNorm for N = 4 runs: the branch is scaled by 1 / alpha, alpha = (2N)^(1/4) = 8^(1/4)
+    normprobe.reinit(model, "deepnorm", example_inputs=(x,))
+    [scale] = normprobe.branch_scales(model).values()
+    assert float(scale.scale) == pytest.approx(8**-0.25)

@@ -717,10 +717,7 @@ def _expect_reinit(spec: Spec, scheme: str) -> str | None:
         return None
     if not spec.residual:
         return NO_ADDS
-    # a block run several times links its post norms to the sums of its first run only: the
-    # adds of its other runs have no post norm, and deepnorm refuses them
-    runs_again = spec.shared == "twice" or (spec.container == "repeat" and spec.per_stage > 1)
-    if scheme == "deepnorm" and (spec.placement != "post" or runs_again):
+    if scheme == "deepnorm" and spec.placement != "post":
         return NOT_POST_LN
     return None
 

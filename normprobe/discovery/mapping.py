@@ -407,6 +407,21 @@ class _Builder:
                 roles[path] = "final"
             elif out in in_branch or inp in in_branch:
                 roles[path] = "branch"
+        # a norm run several times (a block shared across depth) plays its role at every run
+        for call in g.calls:
+            role = roles.get(call.path)
+            if role is None or call.index == 0 or not (call.in_nodes and call.out_nodes):
+                continue
+            inp, out = g.alias[call.in_nodes[0]], call.out_nodes[0]
+            if role == "post" and inp in sum_of:
+                add_norms.setdefault(sum_of[inp], {}).setdefault("post_norm", call.path)
+            elif role == "sandwich-post" and g.alias[out] in branch_of:
+                norms = add_norms.setdefault(branch_of[g.alias[out]], {})
+                norms.setdefault("sandwich_norm", call.path)
+            elif role == "pre":
+                for i in stream_of.get(inp, []):
+                    if out in adds[i].region:
+                        add_norms.setdefault(i, {}).setdefault("pre_norm", call.path)
         return roles, add_norms
 
     def _where_add(self, i: int) -> dict[str, Any]:
