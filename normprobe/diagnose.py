@@ -28,11 +28,12 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from . import tags
-from .common import world_size as _current_world_size
+from . import common, tags
 from .discovery import DiscoveryWarning, ModelMap
-from .discovery.model_map import _collapse
+from .discovery.state import preserved
+from .discovery.table import collapse_indices
 from .discovery.trace import iter_tensors, replace_at
+from .init import is_weight_layer, out_in_view
 from .metrics import attn_logits, grad_norm, resid_rms
 from .runtime import Probe
 
@@ -214,25 +215,9 @@ def _split_batch(batch: Batch) -> tuple[tuple[Any, ...], dict[str, Any]]:
 @contextmanager
 def _restored(model: nn.Module, train: bool) -> Iterator[None]:
     """Run with no gradients and in ``train`` mode; restore grads, modes, buffers and RNG."""
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    modes = [(m, m.training) for m in model.modules()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    cuda = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=cuda):
-        try:
-            for p in params:
-                p.grad = None
-            model.train(train)
-            yield
-        finally:
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-            for m, mode in modes:
-                m.training = mode
-            with torch.no_grad():
-                for b, value in buffers:
-                    b.copy_(value)
+    with preserved(model, grads=True):
+        model.train(train)
+        yield
 
 
 @dataclass
@@ -258,7 +243,6 @@ class _Capture:
     chains: list[list[_Pair]] = field(default_factory=list)
 
 
-_WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _RELU = {"relu", "relu_"}
 
 
@@ -270,7 +254,7 @@ def _fan_in_gain(layer: nn.Module) -> float:
     w = getattr(layer, "weight", None)
     if not isinstance(w, torch.Tensor) or w.ndim < 2:
         return math.nan
-    return float(w[0].numel() * w.detach().float().var())
+    return float(out_in_view(layer, w)[0].numel() * w.detach().float().var())
 
 
 class _ReluWatch(TorchFunctionMode):
@@ -335,7 +319,7 @@ def _capturing(model: nn.Module, model_map: ModelMap, cap: _Capture) -> Iterator
             handles.append(m.register_forward_pre_hook(norm_pre, with_kwargs=True))
 
     for path, m in modules.items():
-        if isinstance(m, _WEIGHT_LAYERS):
+        if is_weight_layer(m) and not isinstance(m, nn.Embedding):
 
             def layer_post(
                 mod: nn.Module, args: tuple[Any, ...], out: Any, path: str = path
@@ -406,7 +390,7 @@ def diagnose(
         raise DiagnoseInputError(f"diagnose() needs a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = _split_batch(batch)
     if world_size is None:
-        world_size = _current_world_size()
+        world_size = common.world_size()
     cap = _Capture()
     with _restored(model, train):
         probe = Probe(model, every=1, sinks=[], max_block_tags=sys.maxsize)  # every layer
@@ -487,7 +471,7 @@ CheckResult = tuple[list[Finding], str | None]
 
 def _paths(paths: Sequence[str]) -> str:
     """``blocks.{0..11}.attn`` for runs of block indices."""
-    rows = _collapse([(p or "<root>",) for p in paths], (0,))
+    rows = collapse_indices([(p or "<root>",) for p in paths], (0,))
     return ", ".join(r[0] for r in rows)
 
 

@@ -63,7 +63,7 @@ def _direct(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return list(module.named_parameters(recurse=False))
 
 
-def _is_weight_layer(module: nn.Module) -> bool:
+def is_weight_layer(module: nn.Module) -> bool:
     """A leaf module holding a matrix or kernel (Linear, Conv, Conv1D, Embedding), or MHA."""
     if not any(p.ndim >= 2 for _, p in _direct(module)):
         return False
@@ -205,7 +205,7 @@ def _fold(path: str, wrapper: BranchScale) -> None:
     inner = wrapper.inner
     scale = wrapper.scale.detach()
     with torch.no_grad():
-        if _is_weight_layer(inner):
+        if is_weight_layer(inner):
             for _, p in _direct(inner):
                 dim = _out_dim(inner) if p.ndim >= 2 else 0
                 p.mul_(scale if scale.ndim == 0 else _along(scale, dim, p.ndim))
@@ -300,7 +300,7 @@ class _Target:
             for p in a.branch_layers
             if p not in modules
             or isinstance(modules[p], _Wrapper)
-            or not (_is_weight_layer(modules[p]) or p in m.weight_layers)
+            or not (is_weight_layer(modules[p]) or p in m.weight_layers)
         ]
         stale += [
             n.path
@@ -343,7 +343,7 @@ class _Target:
             (path, m)
             for path, m in self.model.named_modules()
             if path not in norms
-            and (_is_weight_layer(m) or path in used)
+            and (is_weight_layer(m) or path in used)
             and (embeddings or not isinstance(m, nn.Embedding | nn.EmbeddingBag))
         ]
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import plots
-from .init import _is_weight_layer, is_transposed
+from .init import is_transposed, is_weight_layer
 
 MupKind = Literal["hidden", "input", "output", "vector", "fixed"]
 Optimizer = Literal["adam", "sgd"]
@@ -80,7 +80,7 @@ def _is_marked(model: nn.Module) -> bool:
 
 def _fan_dims(module: nn.Module, p: torch.Tensor) -> tuple[int, int] | None:
     """(out dim, in dim) of a layer's matrix or kernel; None for other parameters."""
-    if p.ndim < 2 or not _is_weight_layer(module):
+    if p.ndim < 2 or not is_weight_layer(module):
         return None
     return (1, 0) if is_transposed(module) else (0, 1)
 
@@ -298,7 +298,7 @@ def _rescale(
     done: set[int] = set()
     with torch.no_grad():
         for _, module, _, p in occurrences:
-            if id(p) in done or not _is_weight_layer(module):
+            if id(p) in done or not is_weight_layer(module):
                 continue
             done.add(id(p))
             weight = next(q for q in module.parameters(recurse=False) if q.ndim >= 2)

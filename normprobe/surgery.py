@@ -19,7 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .common import is_compiled
 from .discovery import DiscoveryWarning, ModelMap, NormLayer, discover
 from .discovery import norms as norm_rules
-from .discovery.model_map import _table
+from .discovery.table import table
 from .layers import BatchNormNd, DyT, LayerNorm2d, PerHeadLayerNorm, PerHeadRMSNorm, RMSNorm2d
 from .runtime import attached_probe
 
@@ -160,11 +160,11 @@ class ConversionReport:
                 )
                 for c in self.conversions
             ]
-            lines += _table(("path", "from", "to", "carried", "dropped", "created"), rows)
+            lines += table(("path", "from", "to", "carried", "dropped", "created"), rows)
         for title, items in (("Kept", self.kept), ("Skipped", self.skipped)):
             if items:
                 lines.append(f"{title} ({len(items)})")
-                lines += _table(("path", "why"), [(p or "<root>", why) for p, why in items])
+                lines += table(("path", "why"), [(p or "<root>", why) for p, why in items])
         changes = [
             f"{len(self.removed_keys)} removed",
             f"{len(self.added_keys)} added",

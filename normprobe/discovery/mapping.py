@@ -31,6 +31,7 @@ from .model_map import (
 )
 from .residual import FoundAdd, find_residual_adds
 from .stacks import FoundStack, executed_stacks, structural_stacks
+from .state import preserved
 from .trace import MATMUL_OPS, SCALE_OPS, SDPA_OPS, Graph, Key, trace
 
 
@@ -125,8 +126,6 @@ def read_only(model: nn.Module, silence_hooks: bool = True) -> Iterator[None]:
     states with hooks); normprobe's own hooks (an attached probe's) are silenced meanwhile,
     unless ``silence_hooks`` is False. FSDP2 modules are resharded on exit, as they were before.
     """
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    modes = [(m, m.training) for m in model.modules()]
     # (live hook dict, its key order, normprobe's hooks taken out): edited in place, so hooks
     # the forward itself installs (transformers' output capturing) stay installed
     silenced: list[tuple[dict[int, Any], list[int], dict[int, Any]]] = []
@@ -139,18 +138,10 @@ def read_only(model: nn.Module, silence_hooks: bool = True) -> Iterator[None]:
                     silenced.append((live, list(live), ours))
                     for k in ours:
                         del live[k]
-    cuda = sorted(
-        {t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.is_cuda}
-    )
     try:
-        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+        with preserved(model), torch.no_grad():
             yield
     finally:
-        with torch.no_grad():
-            for b, value in buffers:
-                b.copy_(value)
-        for m, mode in modes:
-            m.training = mode
         for live, order, ours in silenced:
             rank = {k: i for i, k in enumerate(order)}
             items = sorted({**live, **ours}.items(), key=lambda kv: rank.get(kv[0], len(rank)))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
+
+from .table import table
 
 NormKind = Literal[
     "batchnorm", "layernorm", "rmsnorm", "groupnorm", "instancenorm", "dyt", "unknown"
@@ -230,81 +231,6 @@ class ModelMap:
         return render(self)
 
 
-# A block index or ordinal inside a path: `h.3.attn`, `<root>#2`.
-_INDEX = re.compile(r"(?<=[.#])\d+(?=[.#\s]|$)")
-
-
-def _collapse(rows: list[tuple[str, ...]], path_cols: tuple[int, ...]) -> list[tuple[str, ...]]:
-    """Merge rows that differ only in block indices into one row with `{0..11}` ranges."""
-    groups: dict[tuple[str, ...], list[list[int]]] = {}
-    for row in rows:
-        values: list[int] = []
-
-        def hole(m: re.Match[str], values: list[int] = values) -> str:
-            values.append(int(m.group()))
-            return "{}"
-
-        template = tuple(
-            _INDEX.sub(hole, cell) if i in path_cols else cell for i, cell in enumerate(row)
-        )
-        groups.setdefault(template, []).append(values)
-    out = []
-    for template, rows_values in groups.items():
-        for run in _runs(rows_values):
-            out.append(_fill(template, run))
-    return out
-
-
-def _is_run(values: list[list[int]]) -> bool:
-    """Whether the rows count up together by one: [[0, 1], [1, 2], [2, 3]]."""
-    if len(values) < 2:
-        return True
-    step = [b - a for a, b in zip(values[0], values[1], strict=True)]
-    if any(s not in (0, 1) for s in step) or not any(step):
-        return False
-    return all(
-        v == [x + k * s for x, s in zip(values[0], step, strict=True)] for k, v in enumerate(values)
-    )
-
-
-def _runs(values: list[list[int]]) -> list[list[list[int]]]:
-    if _is_run(values):
-        return [values]
-    varying = [j for j in range(len(values[0])) if len({v[j] for v in values}) > 1]
-    j = varying[-1]
-    sub: dict[tuple[int, ...], list[list[int]]] = {}
-    for v in values:
-        sub.setdefault((*v[:j], *v[j + 1 :]), []).append(v)
-    return [
-        run
-        for group in sub.values()
-        for run in ([group] if _is_run(group) else [[v] for v in group])
-    ]
-
-
-def _fill(template: tuple[str, ...], run: list[list[int]]) -> tuple[str, ...]:
-    texts = iter(
-        str(a) if a == b else f"{{{a}..{b}}}" for a, b in zip(run[0], run[-1], strict=True)
-    )
-    filled = []
-    for cell in template:
-        parts = cell.split("{}")
-        filled.append(parts[0] + "".join(next(texts) + part for part in parts[1:]))
-    return tuple(filled)
-
-
-def _table(
-    header: tuple[str, ...],
-    rows: Sequence[tuple[str, ...]],
-    path_cols: tuple[int, ...] = (0,),
-    indent: str = "  ",
-) -> list[str]:
-    merged = _collapse(list(rows), path_cols)
-    widths = [max(len(r[i]) for r in [header, *merged]) for i in range(len(header))]
-    fmt = indent + "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*header).rstrip(), *(fmt.format(*r).rstrip() for r in merged)]
-
-
 def _name(path: str | None) -> str:
     if path is None:
         return "-"
@@ -337,7 +263,7 @@ def render(m: ModelMap) -> str:
             per_block = f"{len(adds) / s.depth:g}" if m.traced else "?"
             place = s.placement + ("+qk-norm" if s.qk_norm else "")
             rows.append((_name(s.path), str(s.depth), s.block_type, place, per_block))
-        lines += _table(("path", "blocks", "block", "placement", "adds/block"), rows, ())
+        lines += table(("path", "blocks", "block", "placement", "adds/block"), rows, ())
     else:
         lines.append("  (none)")
     lines.append(f"Norms ({len(m.norms)}: {_counts(n.kind for n in m.norms)})")
@@ -354,7 +280,7 @@ def render(m: ModelMap) -> str:
             )
             for n in m.norms
         ]
-        lines += _table(("path", "kind", "role", "dims", "eps", "gain", "recognized by"), rows)
+        lines += table(("path", "kind", "role", "dims", "eps", "gain", "recognized by"), rows)
     else:
         lines.append("  (none)")
     lines.append(f"Residual adds ({len(m.residual_adds)})")
@@ -369,14 +295,14 @@ def render(m: ModelMap) -> str:
             )
             for a in m.residual_adds
         ]
-        lines += _table(("add", "kind", "branch out", "layers", "read at"), rows, (0, 2, 4))
+        lines += table(("add", "kind", "branch out", "layers", "read at"), rows, (0, 2, 4))
     elif m.traced:
         lines.append("  (none)")
     else:
         lines.append("  (unknown: pass example inputs to discover)")
     if m.attention:
         lines.append(f"Attention ({len(m.attention)})")
-        lines += _table(("path", "impl"), [(_name(a.path), a.impl) for a in m.attention])
+        lines += table(("path", "impl"), [(_name(a.path), a.impl) for a in m.attention])
     lines.append(f"Head: {_name(m.head)}")
     lines += [f"Note: {note}" for note in m.notes]
     return "\n".join(lines)

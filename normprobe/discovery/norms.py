@@ -21,7 +21,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from .model_map import EpsPlacement, NormKind
-from .trace import iter_tensors
+from .state import preserved
+from .trace import first_float, iter_tensors, replace_at
 
 TORCH_KINDS: tuple[tuple[type[nn.Module], NormKind], ...] = (
     (nn.modules.instancenorm._InstanceNorm, "instancenorm"),
@@ -191,26 +192,6 @@ def _first_float_input(args: Any, kwargs: Any) -> tuple[tuple[str | int, ...], t
     return None
 
 
-def _first_float(obj: Any) -> torch.Tensor | None:
-    for _, t in iter_tensors(obj):
-        if t.is_floating_point():
-            return t
-    return None
-
-
-def _replace(obj: Any, key: tuple[str | int, ...], value: torch.Tensor) -> Any:
-    if not key:
-        return value
-    head, rest = key[0], key[1:]
-    if isinstance(obj, tuple):
-        return tuple(_replace(v, rest, value) if i == head else v for i, v in enumerate(obj))
-    if isinstance(obj, list):
-        return [_replace(v, rest, value) if i == head else v for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        return {k: _replace(v, rest, value) if k == head else v for k, v in obj.items()}
-    return obj
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / a.norm().clamp_min(1e-30))
@@ -243,12 +224,12 @@ class _Prober:
         self.train = False
 
     def __call__(self, x: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> Any:
-        args, kwargs = _replace(self.inputs, self.key, x)
+        args, kwargs = replace_at(self.inputs, self.key, x)
         torch.manual_seed(0)  # identical dropout masks across calls
         out = torch.func.functional_call(
             self.module, params if params is not None else self.params, tuple(args), kwargs
         )
-        y = _first_float(out)
+        y = first_float(out)
         if y is None or y.shape != x.shape:
             raise ValueError("output shape differs from input")
         return y.double()
@@ -256,10 +237,8 @@ class _Prober:
 
 def probe(module: nn.Module, args: Any, kwargs: Any, eps: float | None) -> Behaviour | None:
     """Measure whether ``module`` behaves like a normalizer on its input, and which one."""
-    saved_modes = [(m, m.training) for m in module.modules()]
-    saved_buffers = [(b, b.detach().clone()) for b in module.buffers()]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with preserved(module), torch.no_grad():
             p = _Prober(module, args, kwargs, eps)
             for train in (False, True):  # batch statistics only show in train mode
                 module.train(train)
@@ -269,11 +248,6 @@ def probe(module: nn.Module, args: Any, kwargs: Any, eps: float | None) -> Behav
             return None
     except Exception:  # the module refuses variations of its input: not something we can probe
         return None
-    finally:
-        for m, mode in saved_modes:
-            m.training = mode
-        for b, value in saved_buffers:
-            b.copy_(value)
 
 
 def _describe(p: _Prober, y: torch.Tensor, eps: float | None) -> Behaviour:

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from .base import Plan
+from .base import Out, Plan, Slot, Values
 
 
 class BlockParams:
@@ -38,3 +40,22 @@ class BlockParams:
         if device not in self._index:
             self._index[device] = torch.tensor(self.param_block, dtype=torch.long, device=device)
         return self._index[device]
+
+
+def write_root_ratios(
+    values: Values,
+    out: Out,
+    series: str,
+    numerators: dict[str, Slot],
+    denominators: dict[str, Slot],
+) -> None:
+    """Per stack and block, ``sqrt(numerator / denominator)`` of two per-block slots (blocks
+    whose denominator is 0 have no value)."""
+    for stack, slot in numerators.items():
+        top, bottom = values.get(slot), values.get(denominators[stack])
+        if top is None or bottom is None:
+            continue
+        ratios = {
+            b: math.sqrt(t / d) for b, (t, d) in enumerate(zip(top, bottom, strict=True)) if d > 0
+        }
+        out.per_block(series, stack, ratios)

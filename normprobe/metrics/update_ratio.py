@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import probes
 from .base import Family, Out, Plan, Series, Values
-from .params import BlockParams
+from .params import BlockParams, write_root_ratios
 
 # The ratio compares parameters across the step: a copy of at most this fraction of each
 # parameter is kept (and at least SAMPLE_MIN entries, the whole of smaller ones).
@@ -66,16 +64,7 @@ class UpdateRatio(Family):
                 plan.measured.put(old_slots[stack], old[blocks])
 
         def record(values: Values, out: Out) -> None:
-            for stack, slot in change_slots.items():
-                change, old = values.get(slot), values.get(old_slots[stack])
-                if change is None or old is None:
-                    continue
-                ratios = {
-                    b: math.sqrt(c / o)
-                    for b, (c, o) in enumerate(zip(change, old, strict=True))
-                    if o > 0
-                }
-                out.per_block("update_ratio", stack, ratios)
+            write_root_ratios(values, out, "update_ratio", change_slots, old_slots)
 
         plan.before_step(keep)
         plan.after_step(measure)

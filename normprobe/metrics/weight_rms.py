@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import probes
 from .base import Family, Out, Plan, Series, Values
-from .params import BlockParams
+from .params import BlockParams, write_root_ratios
 
 
 class WeightRms(Family):
@@ -44,16 +42,7 @@ class WeightRms(Family):
                 plan.measured.put(counts[stack], numels[device][blocks])
 
         def record(values: Values, out: Out) -> None:
-            for stack, slot in squares.items():
-                total, count = values.get(slot), values.get(counts[stack])
-                if total is None or count is None:
-                    continue
-                rms = {
-                    b: math.sqrt(t / n)
-                    for b, (t, n) in enumerate(zip(total, count, strict=True))
-                    if n > 0
-                }
-                out.per_block("weight_rms", stack, rms)
+            write_root_ratios(values, out, "weight_rms", squares, counts)
 
         plan.before_step(read)
         plan.on_record(record)
