@@ -369,11 +369,8 @@ def finite_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def finite_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A float32 value per tensor that is NaN or Inf exactly when the tensor holds one (the
-    sum of its absolute values), in one batched reduction."""
-    if _any_dtensor(tensors) or any(t.dtype == torch.float64 for t in tensors):
-        return torch.stack([finite_sum(t.abs()) for t in tensors])
-    return _stacked(torch._foreach_norm(tensors, 1, dtype=torch.float32))
+    """`finite_sum` of each tensor, as one vector: NaN or Inf exactly where a tensor holds one."""
+    return _stacked([finite_sum(t) for t in tensors])
 
 
 def loglog_slope(values: Sequence[float]) -> float:
