@@ -25,3 +25,17 @@ def test_lightning_transformer_example(tmp_path: Path) -> None:
     events = read_events(str(run))
     assert [s for s, _ in events.scalars[tags.format("grad_ratio", "model.blocks")]] == [0, 9]
     assert [s for s, _ in events.scalars["train_loss"]] == [9]
+
+
+def test_hf_trainer_example(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "hf_trainer.py"), "--steps", "10",
+         "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    [run] = sorted({p.parent for p in tmp_path.rglob("events.out.tfevents.*")})
+    events = read_events(str(run))
+    # the Trainer's loss and the probe's metrics on the same steps, in the same run
+    assert [s for s, _ in events.scalars["train/loss"]] == [1, 10]
+    assert [s for s, _ in events.scalars[tags.format("grad_ratio", "transformer.h")]] == [1, 10]

@@ -54,7 +54,7 @@ class Probe:
     ) -> None:
         _check_arguments(model, every, max_block_tags)
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = optimizer = unwrapped_optimizer(optimizer)
         self.sinks = list(sinks)
         self.every = every
         self.metrics = chosen(metrics)
@@ -186,14 +186,15 @@ class Probe:
         self.end_step()
         self.begin_step(self.step_count + 1)
 
-    def begin_step(self, step: int) -> None:
-        """Start training step ``step`` (for drivers that count steps themselves).
+    def begin_step(self, step: int, logged: bool | None = None) -> None:
+        """Start training step ``step`` (for drivers that count steps themselves); ``logged``
+        overrides the probe's schedule for a driver that keeps its own cadence.
 
         A logged step gets its hooks now, before its forward starts: a hook added to the root
         module while the root's own hooks run would miss that call.
         """
         self.step_count = step
-        self._logged = self._is_logged(step)
+        self._logged = self._is_logged(step) if logged is None else logged
         if self._logged and self._plan is not None and not self._removed:
             self._armed.arm()
 
@@ -288,6 +289,25 @@ class Probe:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def unwrapped_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside a wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``): the object whose ``step`` the probe hooks."""
+    if optimizer is None:
+        return None
+    inner = optimizer
+    while True:  # a wrapper may subclass Optimizer without being the one that steps
+        held = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer", None)
+        if not isinstance(held, torch.optim.Optimizer) or held is inner:
+            break
+        inner = held
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer (or a wrapper holding one as "
+            f"`.optimizer`), got {type(optimizer).__qualname__}"
+        )
+    return inner
 
 
 def _check_arguments(model: nn.Module, every: int, max_block_tags: int) -> None:
