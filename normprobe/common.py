@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+import torch
 from torch import nn
 
 
@@ -37,3 +41,52 @@ def is_compiled(module: nn.Module) -> bool:
         or getattr(module, "_compiled_call_impl", None) is not None
         or getattr(module, "_compiler_ctx", None) is not None
     )
+
+
+def example_call(
+    model: nn.Module,
+    example_inputs: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    own: bool = True,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """(positional, keyword) inputs for one forward of ``model``, from what a user passed.
+
+    A tensor is the one positional input; a mapping (a tokenizer's output) holds keyword inputs.
+    With neither given and ``own``, the inputs the model carries are used: transformers'
+    ``dummy_inputs``, Lightning's ``example_input_array``, moved to the model's device.
+    """
+    if isinstance(example_inputs, Mapping):
+        if example_kwargs:
+            raise TypeError(
+                "example_inputs is a mapping (keyword inputs) and example_kwargs is given too: "
+                "pass the keyword inputs once, as example_kwargs={...}"
+            )
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    args = tuple(example_inputs or ())
+    kwargs = dict(example_kwargs or {})
+    if args or kwargs or not own:
+        return args, kwargs
+    carried = getattr(model, "example_input_array", None)
+    if carried is None:
+        carried = _dummy_inputs(model)
+    if carried is None:
+        return (), {}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if isinstance(carried, Mapping):
+        return (), {k: _moved(v, device) for k, v in carried.items()}
+    carried = carried if isinstance(carried, tuple | list) else (carried,)
+    return tuple(_moved(x, device) for x in carried), {}
+
+
+def _dummy_inputs(model: nn.Module) -> Any:
+    try:
+        return getattr(model, "dummy_inputs", None)
+    except Exception:  # a property that cannot build its inputs for this config
+        return None
+
+
+def _moved(x: Any, device: torch.device) -> Any:
+    return x.to(device) if isinstance(x, torch.Tensor) else x

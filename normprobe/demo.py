@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,6 +97,8 @@ def _train(name: str, make: Callable[[int], nn.Module], steps: int, root: str) -
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=LR)
 
+    # each run starts afresh: event files of an earlier demo would mix with this one's steps
+    shutil.rmtree(os.path.join(root, "demo", name), ignore_errors=True)
     torch.manual_seed(0)
     corpus = CharCorpus(context=CONTEXT, seed=0)
     module = CharLM(make(corpus.vocab_size))

@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar, get_args
 import torch
 from torch import nn
 
+from .common import example_call
 from .discovery import DiscoveryWarning, ModelMap, NormLayer, ResidualAdd, discover
 from .discovery.mapping import read_only
 
@@ -269,12 +270,11 @@ class _Target:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"{what} needs a torch.nn.Module, got {type(model).__qualname__}")
-        if isinstance(example_inputs, torch.Tensor):
-            example_inputs = (example_inputs,)
         self.model = model
         self.what = what
-        self.args = tuple(example_inputs)
-        self.kwargs = dict(example_kwargs or {})
+        # without inputs given, those the model carries (transformers' dummy_inputs)
+        own = model_map is None
+        self.args, self.kwargs = example_call(model, example_inputs, example_kwargs, own=own)
         self._map = model_map
         if model_map is not None:
             self._check_map(model_map)

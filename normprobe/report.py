@@ -113,6 +113,8 @@ class RunReport:
         flags: what crossed a threshold.
         profiles: ``<family>/<stack>`` -> [(step, one value per block)], from the depth
             histograms (NaN where nothing was measured, e.g. block 0 of ``resid_cos``).
+        repeated_steps: logged steps found in more than one event file (a resumed run, or a
+            script run twice into one folder): the later file's values are the ones read.
     """
 
     run_dir: str
@@ -121,6 +123,7 @@ class RunReport:
     trends: list[Trend]
     flags: list[Flag]
     profiles: dict[str, list[tuple[int, list[float]]]] = field(default_factory=dict)
+    repeated_steps: list[int] = field(default_factory=list)
 
     def row(self, stack: str, metric: str) -> Trend:
         """The row of ``metric`` for ``stack``; KeyError lists the rows there are."""
@@ -137,7 +140,15 @@ class RunReport:
         else:
             span = "no logged steps"
         files = f"{self.event_files} event file{'s' if self.event_files != 1 else ''}"
-        lines = [f"normprobe report: {self.run_dir}", f"{span}, {files}", ""]
+        lines = [f"normprobe report: {self.run_dir}", f"{span}, {files}"]
+        if self.repeated_steps:
+            again = self.repeated_steps
+            lines.append(
+                f"{len(again)} logged step{'s' if len(again) != 1 else ''} "
+                f"({again[0]}..{again[-1]}) appear in "
+                "more than one event file: the latest file's values are used"
+            )
+        lines.append("")
         header = ("stack", "metric", "first", "last", "min", "max", "trend")
         last_step = self.steps[-1] if self.steps else None
         rows = [
@@ -251,6 +262,7 @@ def report(run_dir: str | Path) -> RunReport:
     return RunReport(
         run_dir=str(run),
         event_files=events.files,
+        repeated_steps=events.repeated,
         steps=steps,
         trends=rows,
         flags=_flags(events),
@@ -264,6 +276,7 @@ class _Events:
     scalars: dict[str, Points]
     histograms: dict[str, list[tuple[int, list[float]]]]
     texts: dict[str, list[tuple[int, str]]]
+    repeated: list[int]  # logged steps that more than one event file holds
 
 
 def _is_event_file(p: Path) -> bool:
@@ -271,27 +284,52 @@ def _is_event_file(p: Path) -> bool:
 
 
 def _read(run: Path) -> _Events:
+    """Every event file of the run, oldest first, merged by step: where files repeat a step
+    (a resumed run, a script run twice into one folder) the later file's values win."""
     from tensorboard.backend.event_processing import event_accumulator as ea
 
+    files = [run] if run.is_file() else sorted(run.glob(EVENT_GLOB), key=_written_at)
+    files = [f for f in files if f.is_file()]
     everything = {ea.SCALARS: 0, ea.HISTOGRAMS: 0, ea.TENSORS: 0}
-    acc = ea.EventAccumulator(str(run), size_guidance=everything)
-    acc.Reload()
-    tags = acc.Tags()
-    scalars = {t: [(e.step, float(e.value)) for e in acc.Scalars(t)] for t in tags[ea.SCALARS]}
-    histograms = {
-        t: [(e.step, [float(b) for b in e.histogram_value.bucket]) for e in acc.Histograms(t)]
-        for t in tags[ea.HISTOGRAMS]
-        if t.startswith(PREFIX)
-    }
-    texts: dict[str, list[tuple[int, str]]] = {}
-    for t in tags[ea.TENSORS]:
-        if t.startswith(PREFIX) and t.endswith("/text_summary"):
-            texts[t.removesuffix("/text_summary")] = [
-                (e.step, b"".join(e.tensor_proto.string_val).decode("utf-8", "replace"))
-                for e in acc.Tensors(t)
-            ]
-    files = 1 if run.is_file() else len([p for p in run.glob(EVENT_GLOB) if p.is_file()])
-    return _Events(files, scalars, histograms, texts)
+    scalars: dict[str, dict[int, float]] = {}
+    histograms: dict[str, dict[int, list[float]]] = {}
+    texts: dict[str, dict[int, str]] = {}
+    repeated: set[int] = set()
+    for f in files:
+        acc = ea.EventAccumulator(str(f), size_guidance=everything, purge_orphaned_data=False)
+        acc.Reload()
+        tags_here = acc.Tags()
+        for t in tags_here[ea.SCALARS]:
+            values = scalars.setdefault(t, {})
+            for e in acc.Scalars(t):
+                if t.startswith(PREFIX) and e.step in values:
+                    repeated.add(e.step)
+                values[e.step] = float(e.value)
+        for t in tags_here[ea.HISTOGRAMS]:
+            if t.startswith(PREFIX):
+                for e in acc.Histograms(t):
+                    buckets = [float(b) for b in e.histogram_value.bucket]
+                    histograms.setdefault(t, {})[e.step] = buckets
+        for t in tags_here[ea.TENSORS]:
+            if t.startswith(PREFIX) and t.endswith("/text_summary"):
+                for e in acc.Tensors(t):
+                    text = b"".join(e.tensor_proto.string_val).decode("utf-8", "replace")
+                    texts.setdefault(t.removesuffix("/text_summary"), {})[e.step] = text
+    return _Events(
+        len(files),
+        {t: sorted(v.items()) for t, v in scalars.items()},
+        {t: sorted(v.items()) for t, v in histograms.items()},
+        {t: sorted(v.items()) for t, v in texts.items()},
+        sorted(repeated),
+    )
+
+
+def _written_at(path: Path) -> tuple[float, str]:
+    """When an event file was started: the time in its name (``events.out.tfevents.<time>.``),
+    else its modification time."""
+    parts = path.name.split(".")
+    stamp = parts[3] if len(parts) > 3 and parts[3].isdigit() else None
+    return (float(stamp) if stamp else path.stat().st_mtime, path.name)
 
 
 # --- rows --------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .common import is_compiled
+from .common import example_call, is_compiled
 from .discovery import DiscoveryWarning, ModelMap, NormLayer, discover
 from .discovery import norms as norm_rules
 from .discovery.table import table
@@ -385,11 +385,12 @@ def _model_map(
     model_map: ModelMap | None,
 ) -> ModelMap:
     if model_map is None:
-        args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+        # without inputs given, those the model carries (transformers' dummy_inputs)
+        args, kwargs = example_call(model, example_inputs, example_kwargs)
         with warnings.catch_warnings():
             # our own warning says the same thing about norms; residual adds don't matter here
             warnings.simplefilter("ignore", DiscoveryWarning)
-            model_map = discover(model, *(args or ()), **(example_kwargs or {}))
+            model_map = discover(model, *args, **kwargs)
     else:
         modules = dict(model.named_modules())
         for n in model_map.norms:

@@ -635,3 +635,15 @@ def test_a_branch_with_a_path_around_its_writers_is_refused_by_name() -> None:
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.warns(UserWarning, match=r"<root>#0 reaches the add on a path without a weight"):
         normprobe.reinit(_OpenBranch(), "gpt2", example_inputs=(x,))
+
+
+def test_reinit_of_a_hugging_face_model_needs_no_inputs() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=4, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    normprobe.reinit(model, "gpt2")  # as written: the model's own dummy_inputs map it
+    # 4 blocks: each block's two output projections get 0.02 / sqrt(2 * 4)
+    for block in model.transformer.h:
+        for layer in (block.attn.c_proj, block.mlp.c_proj):
+            assert layer.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.1)
+    assert model.transformer.h[0].mlp.c_fc.weight.std().item() == pytest.approx(0.02, rel=0.1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -368,3 +369,26 @@ def test_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         rp.report(other)
     assert cli(["report", str(other)]) == 2
     assert "was the probe attached" in capsys.readouterr().err
+
+
+def test_a_folder_written_twice_reads_as_one_run_the_later_file_winning(tmp_path: Path) -> None:
+    # a script run twice into one folder: two event files holding the same steps
+    ratios = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        model = ResidualStack(8, 16, pre_ln=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with normprobe.attach(model, opt, log_dir=str(tmp_path), every=2) as probe:
+            for _ in range(5):
+                model(torch.randn(4, 16)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        assert probe.latest is not None
+        ratios.append(probe.latest.scalars[tags.format("grad_ratio", "lins")])
+        time.sleep(1.1)  # event file names carry the second they were started
+    rep = rp.report(tmp_path)
+    assert rep.event_files == 2 and rep.steps == [0, 2, 4]
+    assert rep.repeated_steps == [0, 2, 4]
+    assert "3 logged steps (0..4) appear in more than one event file" in rep.table()
+    assert rep.row("lins", "grad_ratio").last == pytest.approx(ratios[1], rel=1e-6)
+    assert rep.row("lins", "grad_ratio").last != pytest.approx(ratios[0], rel=1e-3)

@@ -8,6 +8,7 @@ import io
 import math
 import pickle
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -624,3 +625,28 @@ def test_stream_statistics_of_blocks_with_different_widths(tmp_path: Path) -> No
     cosine = F.cosine_similarity(streams[2], streams[3], dim=-1).mean()
     assert got[tags.format("resid_cos", "blocks", 3)] == pytest.approx(float(cosine), rel=1e-5)
     assert tags.format("resid_cos", "blocks", 2) not in got  # block 1's stream was not read
+
+
+def test_forwards_without_a_step_warn_on_remove() -> None:
+    model = ResidualStack(4, 8)
+    probe = normprobe.attach(model, sinks=[normprobe.MemorySink()])
+    model(torch.randn(2, 8)).sum().backward()
+    with pytest.warns(RuntimeWarning, match=r"saw 1 forward.*no training step.*probe\.step\(\)"):
+        probe.remove()
+    # with a step, nothing to say
+    stepped = normprobe.attach(model, sinks=[normprobe.MemorySink()])
+    model(torch.randn(2, 8)).sum().backward()
+    stepped.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stepped.remove()
+
+
+def test_example_inputs_as_a_mapping_are_keyword_inputs() -> None:
+    model = TinyTransformer(depth=2)
+    ids = torch.randint(0, 96, (2, 8))
+    sink = normprobe.MemorySink()
+    with normprobe.attach(model, sinks=[sink], example_inputs={"idx": ids}) as probe:
+        assert probe.model_map is not None and len(probe.model_map.stacks) == 1
+    with pytest.raises(TypeError, match=r"mapping.*example_kwargs is given too"):
+        normprobe.attach(model, example_inputs={"idx": ids}, example_kwargs={"idx": ids})

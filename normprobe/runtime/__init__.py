@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..common import is_writer
+from ..common import example_call, is_writer
 from ..metrics import METRICS
 from ..sinks import Sink, TensorBoardSink
 from .hooks import InertHook, ProbeHook
@@ -89,7 +89,8 @@ def attach(
         if is_writer() and (not sinks or log_dir is not None or writer is not None):
             probe.sinks.insert(0, TensorBoardSink(writer=writer, log_dir=log_dir))
         if example_inputs is not None or example_kwargs is not None:
-            probe.discover_now(*(example_inputs or ()), **(example_kwargs or {}))
+            args, kwargs = example_call(model, example_inputs, example_kwargs, own=False)
+            probe.discover_now(*args, **kwargs)
         else:
             probe.discover_lazily()
     except BaseException:

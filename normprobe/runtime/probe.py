@@ -75,6 +75,7 @@ class Probe:
         self._recording = False
         self._validating = False
         self._removed = False
+        self._forwards = self._steps_ended = 0  # for the warning when nothing was logged
         self._handles = [model.register_forward_pre_hook(ProbeHook(self._root_pre))]
         if optimizer is not None:
             self._steps = OptimizerSteps(optimizer, self.before_optimizer_step, self._next_step)
@@ -130,6 +131,7 @@ class Probe:
         return step == 0 or step % self.every == self.phase
 
     def _root_pre(self, *_: Any) -> None:
+        self._forwards += 1
         if self.optimizer is not None:
             self._steps.forward_started()
         self.start_forward()
@@ -205,6 +207,7 @@ class Probe:
 
     def end_step(self) -> None:
         """After the optimizer step: measure the update and write the step (if logged)."""
+        self._steps_ended += 1
         if self._logged and self._plan is not None:
             self._plan.run("after_step")
             self.flush()
@@ -228,6 +231,7 @@ class Probe:
             raise RuntimeError(
                 "this probe advances with its optimizer's step(); don't call probe.step() too"
             )
+        self._steps_ended += 1
         if self._logged and self._plan is not None:
             self._plan.run("before_step")
             self.flush()
@@ -272,6 +276,20 @@ class Probe:
             return
         self._removed = True
         self._recording = False
+        if self._forwards and not self._steps_ended and is_writer():
+            how = (
+                "its optimizer never stepped"
+                if self.optimizer is not None
+                else "no optimizer was passed to attach() and probe.step() was never called"
+            )
+            warnings.warn(
+                f"normprobe: the probe saw {self._forwards} forward(s) of "
+                f"{type(self.model).__name__} but no training step ({how}), so nothing was "
+                "logged: steps advance with attach(model, optimizer=opt) and opt.step(), or "
+                "with probe.step() after each step",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         exit_modes(self._hooks.entered())
         self._armed.disarm()
         for h in self._handles:
