@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,10 +83,16 @@ def example_call(
 
 
 def _dummy_inputs(model: nn.Module) -> Any:
+    """transformers' ``dummy_inputs``, when the model's forward names every one of them (the
+    generic ones are token ids, which a vision model does not take)."""
     try:
-        return getattr(model, "dummy_inputs", None)
+        dummy = getattr(model, "dummy_inputs", None)
     except Exception:  # a property that cannot build its inputs for this config
         return None
+    if not isinstance(dummy, Mapping):
+        return None
+    named = inspect.signature(model.forward).parameters
+    return dummy if all(k in named for k in dummy) else None
 
 
 def _moved(x: Any, device: torch.device) -> Any:
