@@ -33,7 +33,7 @@ from .discovery import DiscoveryWarning, ModelMap
 from .discovery.state import preserved
 from .discovery.table import collapse_indices
 from .discovery.trace import iter_tensors, replace_at
-from .init import is_weight_layer, out_in_view
+from .init import branch_scales, is_weight_layer, out_in_view
 from .metrics import attn_logits, grad_norm, resid_rms
 from .runtime import Probe
 
@@ -76,6 +76,7 @@ GPT2_MIN_DEPTH = 6
 CHECKS: dict[str, str] = {
     "no-final-norm": "Pre-LN stack without a final norm before the output",
     "post-ln-top-heavy": "Post-LN stack with top-heavy gradients",
+    "post-ln-warmup": "Post-LN stack without DeepNorm's initialization: needs a warmup",
     "residual-growth": "residual stream growing with depth",
     "attention-logits": "large attention logits",
     "batchnorm-batch": "BatchNorm on a small per-device batch, or unsynced across ranks",
@@ -421,7 +422,9 @@ def diagnose(
             scalars = dict(record.scalars) if record is not None else {}
             logit_tags = {a.path: probe.tag("attn_logit_max", a.path) for a in model_map.attention}
         finally:
-            probe.remove()
+            with warnings.catch_warnings():  # "no step": an input error ended the forward
+                warnings.simplefilter("ignore", RuntimeWarning)
+                probe.remove()
         cap.chains = _relu_chains(cap.pairs)
         for pair in cap.pairs:  # keep no activation alive in the result
             pair.x_in = pair.y_out = None
@@ -529,6 +532,47 @@ def _check_post_ln(ctx: _Context) -> CheckResult:
                 ),
                 "train with a learning-rate warmup, or re-initialize for DeepNorm: "
                 "normprobe.reinit(model, 'deepnorm', example_inputs=...); or move to Pre-LN.",
+                (s.path,),
+            )
+        )
+    return found, None
+
+
+def _check_post_ln_warmup(ctx: _Context) -> CheckResult:
+    """A Post-LN stack trained from a standard init needs a learning-rate warmup (the lecture;
+    Xiong et al. 2020); DeepNorm's init (its fixed branch scales) removes that need."""
+    stacks = ctx.add_stacks(("post-ln",))
+    if not stacks:
+        return [], "no Post-LN stack"
+    deepnorm = {p for p, b in branch_scales(ctx.model).items() if b.kind == "deepnorm"}
+    found = []
+    for s in stacks:
+        writers = {w for a in ctx.model_map.adds_in(s.path) for w in a.writers}
+        ratio = ctx.scalar("grad_ratio", s.path)
+        scaled = any(w == d or w.startswith(d + ".") for w in writers for d in deepnorm)
+        if scaled or (ratio is not None and ratio > POSTLN_GRAD_RATIO_MAX):
+            continue  # DeepNorm's init, or the top-heavy finding says more
+        norms = [
+            ctx.scalars.get(tags.format("grad_norm", s.path or "root", b, depth=s.depth))
+            for b in range(s.depth)
+        ]
+        profile = ", ".join("-" if v is None else f"{v:.3g}" for v in norms)
+        evidence = [f"{s.depth} {s.placement} blocks at `{s.path or '<root>'}`, no DeepNorm scales"]
+        if ratio is not None:
+            evidence.append(
+                f"gradient norm per block at this batch: {profile} (last / first {ratio:.3g}); "
+                "Post-LN renormalizes after every add, so each block's share of the gradient "
+                "depends on its depth and shifts as training moves the weights"
+            )
+        found.append(
+            Finding(
+                "post-ln-warmup",
+                f"Post-LN stack `{s.path or '<root>'}` without DeepNorm's initialization",
+                tuple(evidence),
+                "train with a learning-rate warmup (Post-LN without one stalls or diverges: "
+                "Xiong et al. 2020), or re-initialize for DeepNorm: "
+                "normprobe.reinit(model, 'deepnorm', example_inputs=...), which trains without "
+                "one; or move the norms in front of the branches (Pre-LN).",
                 (s.path,),
             )
         )
@@ -857,6 +901,7 @@ def _pooled_std(layers: list[nn.Module]) -> float:
 _CHECKS: dict[str, Callable[[_Context], CheckResult]] = {
     "no-final-norm": _check_final_norm,
     "post-ln-top-heavy": _check_post_ln,
+    "post-ln-warmup": _check_post_ln_warmup,
     "residual-growth": _check_residual_growth,
     "attention-logits": _check_attention,
     "batchnorm-batch": _check_batchnorm,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import zoo
 from conftest import hook_count
 from torch import nn
@@ -428,3 +429,25 @@ def test_cli_help_documents_the_exit_codes(capsys: pytest.CaptureFixture[str]) -
         main(["diagnose", "--help"])
     assert done.value.code == 0
     assert "0 no finding, 1 findings, 2 bad input" in " ".join(capsys.readouterr().out.split())
+
+
+def test_post_ln_without_deepnorm_init_says_it_needs_a_warmup() -> None:
+    from normprobe import demo
+    from normprobe.corpus import CharCorpus
+
+    corpus = CharCorpus(context=demo.CONTEXT)
+    x, y = corpus.batch(8)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    torch.manual_seed(0)
+    post = normprobe.diagnose(demo._post_ln(corpus.vocab_size), (x,), loss_fn=loss)
+    assert post.codes == ["post-ln-warmup"]
+    (finding,) = post.findings
+    ratio = post.measurements[tags.format("grad_ratio", "blocks")]
+    assert f"(last / first {ratio:.3g})" in " ".join(finding.evidence)
+    assert "normprobe.reinit(model, 'deepnorm'" in finding.suggestion
+    # the same stack with DeepNorm's initialization carries the fix
+    torch.manual_seed(0)
+    assert normprobe.diagnose(demo._deepnorm(corpus.vocab_size), (x,), loss_fn=loss).codes == []

@@ -54,8 +54,9 @@ class AttnLogits(Family):
                     value,
                     LIMIT,
                     f"attention logits max |q.k|*scale of {t.module} is {why}: attention "
-                    "saturates toward one-hot; add QK-norm (TinyTransformer(qk_norm=True), "
-                    "convert_norms) or lower the learning rate",
+                    "saturates toward one-hot; normalize queries and keys in the model's "
+                    "attention (QK-norm: a LayerNorm or RMSNorm over each head's q and k), "
+                    "soft-cap the logits, or lower the learning rate",
                 )
             )
         return found

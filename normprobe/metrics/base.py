@@ -19,6 +19,7 @@ from torch import nn
 
 from ..discovery import Attention, ModelMap, NormLayer, Stack
 from ..tags import Tag
+from ..tags import format as format_tag
 
 Reduce = Literal["mean", "rms", "max", "min", "sum"]
 Reader = Callable[[torch.Tensor], None]
@@ -239,6 +240,29 @@ class Family:
     def flags(self, run: Run) -> list[Flag]:
         """What in a finished run crossed this family's thresholds."""
         return []
+
+
+# A flag needs its condition at the last this-many logged steps, one after the other: one step
+# (step 0 above all, the model at init, which `diagnose` reads) is no trend, and a condition
+# the run has left behind (BatchNorm statistics warming up) is no finding.
+SUSTAIN = 2
+
+
+def sustained(points: Points, condition: Callable[[float], bool]) -> Points:
+    """The run of last (step, value) points, among the finite ones, that meet ``condition``."""
+    finite = [(s, v) for s, v in points if math.isfinite(v)]
+    run: Points = []
+    for s, v in reversed(finite):
+        if not condition(v):
+            break
+        run.insert(0, (s, v))
+    return run
+
+
+def placement(run: Run, stack: str) -> str | None:
+    """The stack's placement as the probe wrote it (``pre-ln``, ``post-ln``, ...), if it did."""
+    texts = run.texts.get(format_tag("placement", stack), [])
+    return texts[-1][1] if texts else None
 
 
 def last_finite(points: Points) -> tuple[int, float] | None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import operator
+from functools import partial
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import probes
-from .base import Family, Flag, Out, Plan, Reader, Run, Series, Slot, Values, last_finite
+from .base import SUSTAIN, Family, Flag, Out, Plan, Reader, Run, Series, Slot, Values, sustained
 
 # BatchNorm: batch mean off the running mean by half a running std, batch variance off by a
 # factor 2 (|log| = 0.69), eval output differing from train output by 20% of its RMS. Our
@@ -50,22 +52,32 @@ class BnStats(Family):
         plan.on_record(record)
 
     def flags(self, run: Run) -> list[Flag]:
-        over: dict[str, list[tuple[float, int, float, float, str]]] = {}
+        over: dict[str, list[tuple[float, int, float, float, str, bool]]] = {}
         for t in run.tags:
             series = t.parsed.series
             if series.removeprefix("val_") not in STATS:
                 continue
             limit = LIMITS[series.split("bn_", 1)[1]]
-            last = last_finite(run.scalars[t.tag])
-            if last is not None and last[1] > limit:
+            past = sustained(run.scalars[t.tag], partial(operator.lt, limit))  # limit < v
+            last = past[-1] if past else None
+            # a validation pass is one step; a training series must stay past its limit
+            if last is not None and (series.startswith("val_") or len(past) >= SUSTAIN):
                 text = f"{series} {last[1]:.3g} > {limit:.3g} at {t.module}"
-                over.setdefault(t.stack, []).append(
-                    (last[1] / limit, last[0], last[1], limit, text)
+                entry = (
+                    last[1] / limit,
+                    last[0],
+                    last[1],
+                    limit,
+                    text,
+                    not series.startswith("val_"),
                 )
+                over.setdefault(t.stack, []).append(entry)
         found = []
         for stack in sorted(over):
+            if not any(h[5] for h in over[stack]):  # flagged by training steps, not by one pass
+                continue
             hits = sorted(over[stack], reverse=True)  # the worst first, by its ratio to its limit
-            _, step, value, limit, _ = hits[0]
+            _, step, value, limit, _, _ = hits[0]
             listed = "; ".join(h[4] for h in hits[:4]) + ("; ..." if len(hits) > 4 else "")
             found.append(
                 Flag(
@@ -75,8 +87,9 @@ class BnStats(Family):
                     value,
                     limit,
                     f"{listed}: batches differ from the running statistics that eval mode uses; "
-                    "look for a shifting input distribution, raise the momentum, or use "
-                    "GroupNorm/LayerNorm for small or correlated batches",
+                    "look for a shifting input distribution, raise the momentum, or for small or "
+                    "correlated batches use GroupNorm (normprobe.convert_norms(model, "
+                    "'groupnorm'))",
                 )
             )
         return found

@@ -8,7 +8,7 @@ import statistics
 import torch
 
 from .. import probes, tags
-from .base import Family, Flag, Out, Plan, Run, Series, Values
+from .base import SUSTAIN, Family, Flag, Out, Plan, Run, Series, Values, placement, sustained
 from .params import BlockParams
 
 # grad_ratio (last / first block), the tutorial's check [d]: Post-LN reads 2.35 (top-heavy, the
@@ -64,45 +64,45 @@ class GradNorm(Family):
     def flags(self, run: Run) -> list[Flag]:
         found = []
         for stack in sorted({t.stack for t in run.tags if t.parsed.series == "grad_ratio"}):
-            flag = _skew(stack, run.scalars.get(tags.format("grad_ratio", stack), []))
+            points = run.scalars.get(tags.format("grad_ratio", stack), [])
+            flag = _skew(stack, points, placement(run, stack))
             if flag is not None:
                 found.append(flag)
         return found
 
 
-def _skew(stack: str, points: list[tuple[int, float]]) -> Flag | None:
-    series = [(s, v) for s, v in points if math.isfinite(v) and v > 0]
-    if not series:
-        return None
-    # the median over the run (one noisy step does not make a skew), then the first logged
-    # step (where the tutorial measures: Post-LN's skew at init is why it needs warmup)
-    median = statistics.median(v for _, v in series)
-    when = "(median over the logged steps)" if len(series) > 1 else "at the only logged step"
-    checks = [(series[-1][0], median, when)]
-    if len(series) > 1:
-        checks.append((series[0][0], series[0][1], "at the first logged step"))
-    for step, ratio, when in checks:
-        if ratio >= TOP_LIMIT:
+def _skew(stack: str, points: list[tuple[int, float]], where: str | None) -> Flag | None:
+    top = sustained(points, lambda v: v >= TOP_LIMIT)
+    bottom = sustained(points, lambda v: 0 < v <= BOTTOM_LIMIT)
+    for hits, kind, limit in ((top, "top", TOP_LIMIT), (bottom, "bottom", BOTTOM_LIMIT)):
+        if len(hits) < SUSTAIN:
+            continue
+        ratio = statistics.median(v for _, v in hits)
+        when = f"(median of the {len(hits)} logged steps at which it is past {limit:g})"
+        if kind == "top":
+            like = ", as in Post-LN (2.35 in the tutorial)" if where == "post-ln" else ""
             return Flag(
                 "top-heavy gradients",
                 stack,
-                step,
+                hits[-1][0],
                 ratio,
                 TOP_LIMIT,
-                f"grad_ratio (last / first block) {ratio:.3g} {when} >= {TOP_LIMIT:g}: "
-                "gradients pile up near the output, as in Post-LN (2.35 in the tutorial); "
-                "warm the learning rate up, or use DeepNorm (normprobe.reinit(model, 'deepnorm'))",
+                f"grad_ratio (last / first block) {ratio:.3g} {when}: gradients pile up near the "
+                f"output{like}; warm the learning rate up, or re-initialize a Post-LN stack "
+                "for DeepNorm (normprobe.reinit(model, 'deepnorm'))",
             )
-        if ratio <= BOTTOM_LIMIT:
-            return Flag(
-                "bottom-heavy gradients",
-                stack,
-                step,
-                ratio,
-                BOTTOM_LIMIT,
-                f"grad_ratio (last / first block) {ratio:.3g} {when} <= {BOTTOM_LIMIT:g}: the "
-                f"first block's gradient is {1 / ratio:.3g}x the last one's (the direction of "
-                "Pre-LN's skew, 2.5x in the tutorial); deep blocks learn slowly: scale the "
-                "residual branches or give deep blocks a larger learning rate",
-            )
+        like = (
+            " (the direction of Pre-LN's skew, 2.5x in the tutorial)" if where == "pre-ln" else ""
+        )
+        return Flag(
+            "bottom-heavy gradients",
+            stack,
+            hits[-1][0],
+            ratio,
+            BOTTOM_LIMIT,
+            f"grad_ratio (last / first block) {ratio:.3g} {when}: the first block's gradient is "
+            f"{1 / ratio:.3g}x the last one's{like}; deep blocks learn slowly: scale the residual "
+            "branches (normprobe.reinit(model, 'gpt2'), normprobe.insert_branch_scale(model, "
+            "'layerscale')) or give deep blocks a larger learning rate",
+        )
     return None

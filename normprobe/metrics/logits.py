@@ -7,7 +7,7 @@ import math
 import torch
 
 from .. import probes, tags
-from .base import MODEL, Family, Flag, Out, Plan, Points, Run, Series, Values
+from .base import MODEL, SUSTAIN, Family, Flag, Out, Plan, Points, Run, Series, Values, sustained
 
 # Gemma 2 soft-caps final logits at 30 and attention logits at 50: beyond these, softmax is
 # saturated enough that those models chose to clip them.
@@ -64,17 +64,24 @@ class Logits(Family):
 
 
 def blow_up(points: Points, limit: float) -> tuple[int, float, str] | None:
-    """(step, value, why) when the last value is past ``limit`` or rose past the growth
-    factor since the first; None otherwise."""
+    """(step, value, why) of the last logged step at which the value is past ``limit`` or
+    rose past the growth factor since the first step, when at least `SUSTAIN` steps are."""
     finite = [(s, v) for s, v in points if math.isfinite(v)]
     if not finite:
         return None
-    (s0, v0), (s1, v1) = finite[0], finite[-1]
+    s0, v0 = finite[0]
+
+    def rose(v: float) -> bool:
+        return v0 > 0 and v / v0 >= GROWTH_FACTOR and v >= GROWTH_FLOOR
+
+    hits = sustained(finite, lambda v: v >= limit or rose(v))
+    if len(hits) < SUSTAIN:
+        return None
+    s1, v1 = hits[-1]
     why = []
     if v1 >= limit:
         why.append(f"{v1:.3g} >= {limit:g}")
-    if v0 > 0 and v1 / v0 >= GROWTH_FACTOR and v1 >= GROWTH_FLOOR:
+    if rose(v1):
         why.append(f"{v1:.3g}, {v1 / v0:.3g}x its value at step {s0}")
-    if not why:
-        return None
-    return s1, v1, why[0] if len(why) == 1 else f"{why[0]} and {why[1].split(', ', 1)[1]}"
+    text = why[0] if len(why) == 1 else f"{why[0]} and {why[1].split(', ', 1)[1]}"
+    return s1, v1, f"{text} ({len(hits)} logged steps past it)"

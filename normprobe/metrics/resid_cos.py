@@ -6,7 +6,7 @@ import math
 import statistics
 
 from .. import probes
-from .base import Family, Flag, Out, Plan, Run, Series, Values
+from .base import SUSTAIN, Family, Flag, Out, Plan, Run, Series, Values, placement, sustained
 from .streams import Streams, rowwise
 
 # Representation collapse (the lecture, seed 004): consecutive blocks' streams nearly parallel.
@@ -56,19 +56,23 @@ class ResidCos(Family):
             depth = max(t.parsed.block or 0 for t in cos) + 1
             if depth < COLLAPSE_MIN_DEPTH:
                 continue
-            step = max(s for t in cos for s, _ in run.scalars[t.tag])
-            deep = {
-                t.parsed.block or 0: v
-                for t in cos
-                if (t.parsed.block or 0) >= depth // 2
-                for s, v in run.scalars[t.tag]
-                if s == step and math.isfinite(v)
-            }
-            if not deep:
+            deep = [t for t in cos if (t.parsed.block or 0) >= depth // 2]
+            by_step: dict[int, list[float]] = {}
+            for t in deep:
+                for s, v in run.scalars[t.tag]:
+                    if math.isfinite(v):
+                        by_step.setdefault(s, []).append(v)
+            means = [(s, statistics.fmean(vs)) for s, vs in sorted(by_step.items())]
+            hits = sustained(means, lambda m: m > COLLAPSE_COS)
+            if len(hits) < SUSTAIN:
                 continue
-            mean = statistics.fmean(deep.values())
-            if mean <= COLLAPSE_COS:
-                continue
+            step, mean = hits[-1]
+            blocks = sorted(t.parsed.block or 0 for t in deep)
+            why = (
+                " (typical of Pre-LN, whose stream outgrows each block's write)"
+                if placement(run, stack) == "pre-ln"
+                else ""
+            )
             found.append(
                 Flag(
                     "representation collapse",
@@ -77,9 +81,12 @@ class ResidCos(Family):
                     mean,
                     COLLAPSE_COS,
                     f"consecutive blocks' streams have cosine {mean:.3f} > {COLLAPSE_COS} on "
-                    f"average over blocks {min(deep)}..{max(deep)} (the deep half): those blocks "
-                    "barely change the representation (typical of Pre-LN, whose stream outgrows "
-                    "each block's write); consider DeepNorm, sandwich norms or branch scaling",
+                    f"average over blocks {blocks[0]}..{blocks[-1]} (the deep half) at "
+                    f"{len(hits)} logged steps: those blocks barely change the "
+                    f"representation{why}; scale the residual branches "
+                    "(normprobe.insert_branch_scale(model, 'layerscale')), use sandwich norms "
+                    "(normprobe.convert_norms with a policy), or a Post-LN stack with "
+                    "normprobe.reinit(model, 'deepnorm')",
                 )
             )
         return found

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .. import probes, tags
-from .base import Family, Flag, Out, Plan, Run, Series, Values, last_finite
+from .base import SUSTAIN, Family, Flag, Out, Plan, Run, Series, Values, sustained
 from .streams import Streams, stream_rms
 
 # Residual growth needs both a shape and a size. Shape: log RMS against log depth rising with a
@@ -67,21 +67,31 @@ class ResidRms(Family):
     def flags(self, run: Run) -> list[Flag]:
         found = []
         for stack in sorted({t.stack for t in run.tags if t.parsed.series == "resid_growth"}):
-            growth = last_finite(run.scalars.get(tags.format("resid_growth", stack), []))
-            if growth is None:
+            growth = run.scalars.get(tags.format("resid_growth", stack), [])
+            slopes = dict(run.scalars.get(tags.format("resid_slope", stack), []))
+
+            # growth past the limit, or past the minimum with a rising slope (-1: neither)
+            marked = [
+                (
+                    s,
+                    g
+                    if g >= GROWTH_LIMIT or (g >= GROWTH_MIN and slopes.get(s, 0) >= SLOPE_LIMIT)
+                    else -1,
+                )
+                for s, g in growth
+            ]
+            hits = sustained(marked, lambda g: g >= 0)
+            if len(hits) < SUSTAIN:
                 continue
-            slope = last_finite(run.scalars.get(tags.format("resid_slope", stack), []))
-            step, g = growth
-            s = slope[1] if slope is not None and slope[0] == step else math.nan
+            step, g = hits[-1]
+            s = slopes.get(step, math.nan)
             if g >= GROWTH_LIMIT:
                 why = f"resid_growth {g:.3g} >= {GROWTH_LIMIT:g}"
-            elif g >= GROWTH_MIN and s >= SLOPE_LIMIT:
+            else:
                 why = (
                     f"resid_growth {g:.3g} >= {GROWTH_MIN:g} and resid_slope {s:.3g} >= "
                     f"{SLOPE_LIMIT} (0.5 is Pre-LN's sqrt(l) growth)"
                 )
-            else:
-                continue
             found.append(
                 Flag(
                     "residual growth",
@@ -89,10 +99,11 @@ class ResidRms(Family):
                     step,
                     g,
                     GROWTH_LIMIT if g >= GROWTH_LIMIT else GROWTH_MIN,
-                    f"{why}: the last block's stream has {g:.3g}x the RMS of the first block's, "
-                    "so deep blocks' writes are diluted; keep a final norm before the head, or "
-                    "scale the residual branches (normprobe.reinit(model, 'gpt2'), "
-                    "insert_branch_scale)",
+                    f"{why} at {len(hits)} logged steps: the last block's stream has {g:.3g}x the "
+                    "RMS of the first block's, so deep blocks' writes are diluted; keep a final "
+                    "norm before the head, or scale the residual branches "
+                    "(normprobe.reinit(model, 'gpt2'), "
+                    "normprobe.insert_branch_scale(model, 'layerscale'))",
                 )
             )
         return found

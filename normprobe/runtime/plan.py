@@ -77,6 +77,7 @@ class ProbePlan:
         self.recorders: list[tuple[Family, Recorder]] = []
         self.outputs: list[Callable[[int, Any], None]] = []
         self.empty: list[Family] = []  # families that found nothing to read
+        self._placements_written = False
         self._block_tags: dict[tuple[str, str], tuple[str, list[tuple[int, str]]]] = {}
         self._shared: dict[str, Any] = {}
         self._family: Family | None = None
@@ -181,6 +182,11 @@ class ProbePlan:
 
     def record(self, values: Values, step: int, writes: bool) -> Record:
         out = RecordOut(Record(step), writes, self)
+        if not self._placements_written and not values.validation:
+            # once per run: each stack's placement, which `report` words its flags by
+            self._placements_written = True
+            for s in self.model_map.stacks:
+                out.text("placement", self.stack_name(s.path), s.placement)
         for family, fn in self.recorders:
             if family.validation or not values.validation:
                 fn(values, out)

@@ -220,6 +220,7 @@ class Probe:
 
     def flush_validation(self) -> None:
         """Write what the validation forward measured, as ``normprobe/val_bn_*`` tags."""
+        self._steps_ended += 1  # a validation pass has no training step, and logs anyway
         self.flush(validation=True)
 
     def step(self) -> None:
