@@ -3,6 +3,10 @@ files read back."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -158,3 +162,28 @@ def test_attach_unwraps_an_accelerate_optimizer() -> None:
     assert [r.step for r in sink.records] == [0, 1]
     with pytest.raises(TypeError, match="got int"):
         normprobe.attach(nn.Linear(2, 2), 3)  # type: ignore[arg-type]
+
+
+def test_ddp_through_accelerate_launch(tmp_path: Path) -> None:
+    """Two CPU processes (DDP over gloo) under `accelerate launch`: the main process alone
+    writes, on the Trainer's steps, the gradients both ranks hold after DDP averaged them."""
+    script = Path(__file__).with_name("hf_ddp_train.py")
+    launcher = Path(sys.executable).with_name("accelerate")
+    env = {**os.environ, "PYTHONPATH": str(script.parent), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
+         str(script), str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert [(r["writes"], r["sinks"]) for r in ranks] == [(True, 1), (False, 0)]
+    assert ranks[0]["grads"] == ranks[1]["grads"]  # DDP averaged them
+    [run] = _run_dirs(tmp_path)  # one run, written by the main process only
+    events = read_events(str(run))
+    grad = events.scalars[tags.format("grad_norm", "transformer.h", 0)]
+    assert [s for s, _ in grad] == [s for s, _ in events.scalars["train/loss"]] == [1, 2, 4]
+    for step, value in grad:
+        assert value == pytest.approx(ranks[0]["grads"][str(step)], rel=1e-5)
