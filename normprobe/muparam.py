@@ -31,6 +31,8 @@ Optimizer = Literal["adam", "sgd"]
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 _PREFIX = "mup_base_"
+# each panel of the coordinate-check picture (`CoordTable.plot`: one per step), in pixels
+COORD_PANEL_SIZE = (310, 280)
 
 
 @dataclass(frozen=True)
@@ -504,36 +506,38 @@ class CoordTable:
         return "\n".join(lines)
 
     def plot(self, path: str | os.PathLike[str]) -> Path:
-        """Write a PNG: one panel per step, log RMS against log width, one line per module."""
-        positive = [v for vs in self.rms.values() for v in vs if v > 0 and math.isfinite(v)]
-        lo = math.floor(math.log10(min(positive))) if positive else -1
-        hi = max(math.ceil(math.log10(max(positive))) if positive else 1, lo + 1)
-        xs = [math.log2(w) for w in self.widths]
+        """Write a PNG: one panel per step, RMS against width on log scales, a line per module.
+
+        The panels share their y axis. Non-positive RMS (a zeroed readout at step 0) is left out.
+        Each panel is `COORD_PANEL_SIZE`; one legend of the modules sits below them. Drawn with
+        matplotlib (``pip install normprobe[plot]``).
+
+        Raises:
+            ImportError: matplotlib is not installed.
+        """
 
         def line(i: int, module: str, step: int) -> plots.Line:
-            ys = [math.log10(v) if v > 0 else math.nan for v in self.rms[(module, step)]]
-            color = plots.PALETTE[i % len(plots.PALETTE)]
-            return plots.Line(module, list(zip(xs, ys, strict=True)), color)
+            points = [
+                (float(w), v) for w, v in zip(self.widths, self.rms[(module, step)], strict=True)
+            ]
+            return plots.Line(module, points, plots.PALETTE[i % len(plots.PALETTE)])
 
         panels = [
             plots.Panel(
                 title=f"step {s}",
                 lines=[line(i, m, s) for i, m in enumerate(self.modules)],
-                x=(xs[0], xs[-1]),
-                y=(lo, hi),
-                xticks=[(x, str(w)) for x, w in zip(xs, self.widths, strict=True)],
-                yticks=[(e, f"1e{e}") for e in range(lo, hi + 1)],
+                xlabel="width",
+                ylabel="activation RMS" if k == 0 else "",
+                xticks=[(float(w), str(w)) for w in self.widths],
+                xlog=True,
+                ylog=True,
             )
-            for s in self.steps
+            for k, s in enumerate(self.steps)
         ]
-        layout = plots.Layout(
-            cell=(308, 270), columns=len(panels), box=(36, 20, 12, 30), margin=(24, 5)
+        title = f"{self.parametrization} coordinate check ({self.optimizer}, lr={self.lr:g})"
+        return plots.save(
+            Path(path), panels, len(panels), COORD_PANEL_SIZE, title, legend="below", sharey=True
         )
-        title = (
-            f"{self.parametrization} coordinate check ({self.optimizer}, lr={self.lr:g})"
-            "   x: width, y: RMS (log scales)"
-        )
-        return plots.save(Path(path), panels, layout, title, legend_below=True)
 
 
 def coord_check(

@@ -24,15 +24,16 @@ import math
 import re
 import statistics
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import plots, tags
 from .common import spread
-from .metrics import FAMILIES, SERIES
+from .metrics import SERIES
 from .metrics.base import MODEL, Flag, Points, RunTag
+from .metrics.run import run_flags, run_tags
+from .sinks import PROFILE_PLUGIN
 
 EVENT_GLOB = "events.out.tfevents.*"
 # A change of less than 10% between the first and the last value reads as "flat".
@@ -44,7 +45,6 @@ PREFIX = tags.PREFIX + "/"
 PANEL_SIZE = (480, 300)
 PANEL_COLUMNS = 2
 MAX_PROFILE_LINES = 6
-_LAYOUT = plots.Layout(cell=PANEL_SIZE, columns=PANEL_COLUMNS, box=(58, 26, 78, 34))
 
 
 @dataclass(frozen=True)
@@ -187,11 +187,14 @@ class RunReport:
         """Draw the depth profiles: one panel per (metric, stack), a line per chosen step.
 
         Each panel plots the metric against the block index for up to `MAX_PROFILE_LINES`
-        logged steps spread over the run (first and last included), lighter for earlier steps.
-        The image is ``PANEL_COLUMNS`` panels wide; each panel is `PANEL_SIZE`.
+        logged steps spread over the run (first and last included), lighter for earlier steps;
+        the y axis is a log one where the metric's values span decades. The image is
+        ``PANEL_COLUMNS`` panels wide; each panel is `PANEL_SIZE` (`png_size`). It is drawn
+        with matplotlib (``pip install normprobe[plot]``).
 
         Raises:
             ValueError: the run has no depth histograms (no per-block metric was logged).
+            ImportError: matplotlib is not installed.
 
         Example::
 
@@ -305,11 +308,15 @@ def _read(run: Path) -> _Events:
                 if t.startswith(PREFIX) and e.step in values:
                     repeated.add(e.step)
                 values[e.step] = float(e.value)
-        for t in tags_here[ea.HISTOGRAMS]:
+        for t in tags_here[ea.HISTOGRAMS]:  # the depth view of runs written before 0.1
             if t.startswith(PREFIX):
                 for e in acc.Histograms(t):
                     buckets = [float(b) for b in e.histogram_value.bucket]
                     histograms.setdefault(t, {})[e.step] = buckets
+        for t in tags_here[ea.TENSORS]:
+            if acc.SummaryMetadata(t).plugin_data.plugin_name == PROFILE_PLUGIN:
+                for e in acc.Tensors(t):
+                    histograms.setdefault(t, {})[e.step] = list(e.tensor_proto.float_val)
         for t in tags_here[ea.TENSORS]:
             if t.startswith(PREFIX) and t.endswith("/text_summary"):
                 for e in acc.Tensors(t):
@@ -333,25 +340,6 @@ def _written_at(path: Path) -> tuple[float, str]:
 
 
 # --- rows --------------------------------------------------------------------------------------
-def _parse(tag: str, stacks: set[str]) -> RunTag | None:
-    """A tag with the stack (or `MODEL`) its row belongs to; None for tags of no family."""
-    parsed = tags.parse(tag)
-    series = SERIES.get(parsed.series) if parsed is not None else None
-    if parsed is None or series is None:
-        return None
-    if series.shape == "model":
-        return RunTag(tag, parsed, MODEL, "")
-    if series.shape in ("stack", "block"):
-        return RunTag(tag, parsed, parsed.subject, "")
-    module = tag.split("/", 2)[2]  # <stack>/<block>.<layer>, or the module's path
-    if parsed.block is not None:
-        return RunTag(tag, parsed, parsed.subject, module)
-    stack, _, index = module.rpartition(".")
-    if stack in stacks and index.isdigit():  # the block is the module (lns.3)
-        return RunTag(tag, parsed, stack, module)
-    return RunTag(tag, parsed, MODEL, module)
-
-
 def _label(t: RunTag) -> str:
     """The row a tag belongs to: the series, with its reduction over blocks or modules in
     brackets (``resid_rms[last]``) or the module's position in its block (``norm_in_rms .ln_1``)."""
@@ -368,19 +356,8 @@ def _label(t: RunTag) -> str:
     return f"{name} .{t.parsed.layer}" if t.parsed.layer else f"{name}[{series.row}]"
 
 
-def _stacks(tag_names: Sequence[str]) -> set[str]:
-    found = set()
-    for tag in tag_names:
-        parsed = tags.parse(tag)
-        series = SERIES.get(parsed.series) if parsed is not None else None
-        if parsed is not None and series is not None and series.shape in ("stack", "block"):
-            found.add(parsed.subject)
-    return found
-
-
 def _parsed(scalars: dict[str, Points]) -> list[RunTag]:
-    stacks = _stacks(list(scalars))
-    return [p for p in (_parse(t, stacks) for t in scalars) if p is not None]
+    return run_tags(list(scalars))
 
 
 def _members(kind: str, members: list[RunTag]) -> list[RunTag]:
@@ -431,21 +408,8 @@ def _rows(scalars: dict[str, Points]) -> list[Trend]:
 
 
 # --- flags -------------------------------------------------------------------------------------
-@dataclass
-class _RunView:
-    """A run as the families' `flags` read it (`normprobe.metrics.base.Run`)."""
-
-    scalars: dict[str, Points]
-    texts: dict[str, list[tuple[int, str]]]
-    tags: list[RunTag]
-
-
 def _flags(events: _Events) -> list[Flag]:
-    run = _RunView(events.scalars, events.texts, _parsed(events.scalars))
-    found = [(i, flag) for i, family in enumerate(FAMILIES) for flag in family.flags(run)]
-    # NaN onset first (what came after it is its consequence), then stack by stack
-    found.sort(key=lambda f: (f[1].kind != "nan onset", f[1].stack == MODEL, f[1].stack, f[0]))
-    return [flag for _, flag in found]
+    return run_flags(events.scalars, events.texts)
 
 
 # --- profiles and the picture -------------------------------------------------------------------
@@ -470,7 +434,7 @@ def _profiles(
 
 def png_size(panels: int) -> tuple[int, int]:
     """The size in pixels of a picture of ``panels`` depth profiles."""
-    return _LAYOUT.size(panels)
+    return plots.grid_size(panels, PANEL_COLUMNS, PANEL_SIZE)
 
 
 def _draw_profiles(rep: RunReport, path: Path) -> Path:
@@ -481,33 +445,22 @@ def _draw_profiles(rep: RunReport, path: Path) -> Path:
         )
     order = list(SERIES)
     names = sorted(rep.profiles, key=lambda n: (n.split("/", 1)[1], order.index(n.split("/")[0])))
-    return plots.save(path, [_panel(name, rep.profiles[name]) for name in names], _LAYOUT)
+    panels = [_panel(name, rep.profiles[name]) for name in names]
+    return plots.save(path, panels, PANEL_COLUMNS, PANEL_SIZE)
 
 
 def _panel(name: str, profiles: list[tuple[int, list[float]]]) -> plots.Panel:
-    """The panel of one (metric, stack): a line per chosen step, value against block index."""
+    """The panel of one (metric, stack): a line per chosen step, value against block index
+    (on a log scale where the values span decades)."""
     family, stack = name.split("/", 1)
     chosen = [profiles[k] for k in spread(len(profiles), MAX_PROFILE_LINES)]
-    values = [v for _, vs in chosen for v in vs if math.isfinite(v)]
-    depth = max((len(vs) for _, vs in chosen), default=1)
-    lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
-    if hi - lo < 1e-12 * max(1.0, abs(hi)):
-        lo, hi = lo - 0.5 * max(abs(lo), 1e-3), hi + 0.5 * max(abs(hi), 1e-3)
-    pad = 0.05 * (hi - lo)
-    lo, hi = lo - pad, hi + pad
     lines = [
-        plots.Line(f"step {step}", list(enumerate(vs)), plots.ramp(n, len(chosen)))
+        plots.Line(
+            f"step {step}", [(float(b), v) for b, v in enumerate(vs)], plots.ramp(n, len(chosen))
+        )
         for n, (step, vs) in enumerate(chosen)
     ]
-    return plots.Panel(
-        title=f"{family}, stack {stack}",
-        lines=lines,
-        x=(0, max(depth - 1, 1)),
-        y=(lo, hi),
-        xticks=[(b, str(b)) for b in spread(depth, 8)],
-        yticks=[(v, f"{v:.3g}") for v in (lo + (hi - lo) * k / 4 for k in range(5))],
-        xlabel="block",
-    )
+    return plots.Panel(title=f"{family}, stack {stack}", lines=lines, xlabel="block")
 
 
 # --- the command line --------------------------------------------------------------------------

@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import re
+import warnings
 import weakref
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -83,16 +85,40 @@ class MemorySink:
         return [(r.step, r.scalars[tag]) for r in self.records if tag in r.scalars]
 
 
+# the run's health first: what `report` flags on, then the loss where the trainer logs one
+SUMMARY = (
+    ("gradient ratio, last / first block", "grad_ratio"),
+    ("residual growth, last / first block", "resid_growth"),
+    ("max attention logit", "attn_logit_max"),
+    ("modules with NaN/Inf outputs", "nonfinite"),
+)
+LOSS_REGEX = r"^(train/loss|train_loss|loss)$"
+PROFILE_PLUGIN = "normprobe_profile"  # a depth profile, for `report`; TensorBoard shows none
+# heatmaps keep at most this many logged steps (halved, keeping every other, when full)
+HEATMAP_COLUMNS = 256
+HISTORY = 32  # logged steps of each scalar kept to judge flags as the run goes
+
+
 class TensorBoardSink:
     """Writes records to a `torch.utils.tensorboard.SummaryWriter`.
 
-    Scalars become plain tags; the layout becomes a custom-scalars dashboard with one multi-line
-    chart per metric family and stack; each depth profile becomes a histogram whose buckets are
-    the block indices (Histograms tab: metric against depth, one slice per logged step).
+    * Scalars: plain tags (the Scalars and Time Series tabs).
+    * Custom Scalars: the run's health summary first (gradient ratio, residual growth,
+      attention logits, non-finite outputs, the loss), then one multi-line chart per series
+      and stack.
+    * Images: per stack and per-block series, a depth heatmap (block against logged step),
+      rewritten every ``heatmap_every`` records and when the sink closes: one image per series
+      and stack each time (about 20-40 KB), at most `HEATMAP_COLUMNS` columns.
+    * Text: ``normprobe/flags/run``, what `normprobe report` would flag so far, rewritten when it
+      changes at the same cadence.
+    * The depth profiles themselves are stored for `report` in summaries TensorBoard does not
+      display; ``depth_histograms=True`` also writes them as histograms whose buckets are the
+      blocks (the Histograms tab's view, whose shared scale hides most of the story).
 
     Writing never waits for the disk: the writer's own thread flushes the file (every
     ``flush_secs`` for a writer made here), `flush` and `close` force it, and so does the
-    interpreter's exit, also after an uncaught exception.
+    interpreter's exit, also after an uncaught exception. Heatmaps need matplotlib
+    (``normprobe[plot]``); without it they are skipped with one warning.
 
     Args:
         writer: an existing ``SummaryWriter``, or None to create one in ``log_dir``.
@@ -101,6 +127,8 @@ class TensorBoardSink:
         flush_secs: how often a writer made here flushes in the background.
         layout: write the custom-scalars layout with the first record (False: the directory
             holds it already, as when a run resumes).
+        heatmap_every: rewrite the heatmaps and flags every this many records (0: never).
+        depth_histograms: also write the depth profiles as histograms.
     """
 
     def __init__(
@@ -110,6 +138,8 @@ class TensorBoardSink:
         close_writer: bool | None = None,
         flush_secs: float = 1.0,
         layout: bool = True,
+        heatmap_every: int = 10,
+        depth_histograms: bool = False,
     ) -> None:
         _use_fast_checksums()
         if writer is None:
@@ -120,6 +150,17 @@ class TensorBoardSink:
         self.writer = writer
         self.close_writer = bool(close_writer)
         self.layout_written = not layout
+        self.heatmap_every = heatmap_every
+        self.depth_histograms = depth_histograms
+        self._records = 0
+        self._last_step = 0
+        self._profiles: dict[str, list[tuple[int, list[float]]]] = {}
+        self._drawn: set[str] = set()  # profiles drawn since their last new column
+        self._history: dict[str, deque[tuple[int, float]]] = {}
+        self._first: dict[str, tuple[int, float]] = {}
+        self._texts: dict[str, list[tuple[int, str]]] = {}
+        self._flags_text: str | None = None
+        self._no_plots = False
         # at exit (or when this sink is collected): what is still queued reaches the disk
         self._at_exit = weakref.finalize(self, writer.flush)
 
@@ -130,30 +171,128 @@ class TensorBoardSink:
     def write(self, record: Record) -> None:
         if not self.layout_written:
             self.layout_written = True
-            categories: dict[str, dict[str, list[Any]]] = {}
-            for category, title, regex in charts(record.scalars):
-                categories.setdefault(category, {})[title] = ["Multiline", [regex]]
-            if categories:
-                self.writer.add_custom_scalars(categories)
+            self.writer.add_custom_scalars(_layout(record.scalars))
         if record.scalars:
             # one event holding every scalar: hundreds of add_scalar calls cost more than a step
             summary = Summary(
                 value=[Summary.Value(tag=t, simple_value=v) for t, v in record.scalars.items()]
             )
             self.writer._get_file_writer().add_summary(summary, record.step)
+        if record.profiles:
+            self.writer._get_file_writer().add_summary(
+                _profile_summary(record.profiles), record.step
+            )
         for tag, values in record.profiles.items():
-            _depth_histogram(self.writer, tag, values, record.step)
+            if self.depth_histograms:
+                _depth_histogram(self.writer, tag, values, record.step)
+            self._keep_column(tag, record.step, values)
         for tag, text in record.texts.items():
             self.writer.add_text(tag, text, record.step)
+            self._texts.setdefault(tag, []).append((record.step, text))
+        self._remember(record)
+        self._records += 1
+        self._last_step = record.step
+        if self.heatmap_every and self._records % self.heatmap_every == 0:
+            self._draw()
+
+    def _keep_column(self, tag: str, step: int, values: list[float]) -> None:
+        columns = self._profiles.setdefault(tag, [])
+        columns.append((step, values))
+        if len(columns) > HEATMAP_COLUMNS:
+            del columns[1::2]  # every other step, the first and the newest kept
+        self._drawn.discard(tag)
+
+    def _remember(self, record: Record) -> None:
+        for tag, value in record.scalars.items():
+            self._first.setdefault(tag, (record.step, value))
+            self._history.setdefault(tag, deque(maxlen=HISTORY)).append((record.step, value))
+
+    def _draw(self) -> None:
+        """Rewrite the heatmaps that have new columns, and the flags if they changed."""
+        from .metrics.run import run_flags
+
+        scalars = {
+            t: ([self._first[t]] if self._first[t][0] < h[0][0] else []) + list(h)
+            for t, h in self._history.items()
+        }
+        flags = run_flags(scalars, self._texts)
+        text = "\n\n".join(str(f) for f in flags) or "No flags."
+        if text != self._flags_text:
+            self._flags_text = text
+            self.writer.add_text(tags.format("flags", "run"), text, self._last_step)
+        if self._no_plots:
+            return
+        for tag, columns in self._profiles.items():
+            if tag in self._drawn or not columns:
+                continue
+            parsed = tags.parse(tag)
+            if parsed is None:
+                continue
+            series = SERIES.get(parsed.series)
+            try:
+                from .plots import depth_heatmap
+
+                image = depth_heatmap(
+                    f"{parsed.series}, stack {parsed.subject}",
+                    [s for s, _ in columns],
+                    [v for _, v in columns],
+                    log=series is None or series.scale == "log",
+                )
+            except ImportError as err:
+                self._no_plots = True
+                warnings.warn(f"normprobe: no depth heatmaps: {err}", UserWarning, stacklevel=2)
+                return
+            heatmap = tags.format("heatmap", f"{parsed.series}/{parsed.subject}")
+            self.writer.add_image(heatmap, image, self._last_step, dataformats="HWC")
+            self._drawn.add(tag)
 
     def flush(self) -> None:
         self.writer.flush()
 
     def close(self) -> None:
         self._at_exit.detach()
+        if self._records and self.heatmap_every:
+            self._draw()
         self.writer.flush()
         if self.close_writer:
             self.writer.close()
+
+
+def _layout(scalars: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
+    """The custom-scalars dashboard: the summary, then one chart per series and stack."""
+    prefix = f"{tags.PREFIX}/"
+    summary = {
+        title: ["Multiline", [f"^{re.escape(prefix + series)}/.*$"]] for title, series in SUMMARY
+    }
+    summary["loss"] = ["Multiline", [LOSS_REGEX]]
+    categories: dict[str, dict[str, list[Any]]] = {f"{tags.PREFIX} summary": summary}
+    for category, title, regex in charts(scalars):
+        categories.setdefault(category, {})[title] = ["Multiline", [regex]]
+    return categories
+
+
+def _profile_summary(profiles: dict[str, list[float]]) -> Summary:
+    """The depth profiles as float tensors under a plugin TensorBoard has no dashboard for."""
+    from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+    from tensorboard.compat.proto.types_pb2 import DT_FLOAT
+
+    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=PROFILE_PLUGIN))
+    return Summary(
+        value=[
+            Summary.Value(
+                tag=tag,
+                metadata=metadata,
+                tensor=TensorProto(
+                    dtype=DT_FLOAT,
+                    tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=len(values))]),
+                    float_val=values,
+                ),
+            )
+            for tag, values in profiles.items()
+        ]
+    )
 
 
 def masked_crc32c(data: bytes) -> int:

@@ -14,11 +14,19 @@ class Events:
     histograms: dict[str, list[tuple[int, list[float]]]]
     texts: dict[str, list[int]]
     layouts: list[layout_pb2.Layout]
+    profiles: dict[str, list[tuple[int, list[float]]]]  # normprobe's depth profiles
+    images: dict[str, list[int]]  # tag -> the steps an image was written at
 
 
 def read_events(log_dir: str) -> Events:
     acc = event_accumulator.EventAccumulator(
-        log_dir, size_guidance={event_accumulator.SCALARS: 0, event_accumulator.HISTOGRAMS: 0}
+        log_dir,
+        size_guidance={
+            event_accumulator.SCALARS: 0,
+            event_accumulator.HISTOGRAMS: 0,
+            event_accumulator.TENSORS: 0,
+            event_accumulator.IMAGES: 0,
+        },
     )
     acc.Reload()
     tags = acc.Tags()
@@ -31,7 +39,13 @@ def read_events(log_dir: str) -> Events:
     # a layout is a tensor summary under this tag; count how many were written
     raw = [e for t in tags["tensors"] if t == "custom_scalars__config__" for e in acc.Tensors(t)]
     layouts = [layout_pb2.Layout.FromString(e.tensor_proto.string_val[0]) for e in raw]
-    return Events(scalars, histograms, texts, layouts)
+    profiles = {
+        t: [(e.step, list(e.tensor_proto.float_val)) for e in acc.Tensors(t)]
+        for t in acc.summary_metadata
+        if acc.summary_metadata[t].plugin_data.plugin_name == "normprobe_profile"
+    }
+    images = {t: [e.step for e in acc.Images(t)] for t in tags["images"]}
+    return Events(scalars, histograms, texts, layouts, profiles, images)
 
 
 def read_texts(log_dir: str) -> dict[str, list[tuple[int, str]]]:

@@ -15,6 +15,7 @@ import pytest
 from tb import read_events
 
 from normprobe import tags
+from normprobe.muparam import COORD_PANEL_SIZE
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -125,3 +126,10 @@ def test_mup_coord_check(tmp_path: Path) -> None:
     slopes = re.findall(r"^(SP|muP)\s+([-+]\d\.\d\d)\s+([-+]\d\.\d\d)", done.stdout, re.MULTILINE)
     assert [row[0] for row in slopes] == ["SP", "muP"]
     assert {p.name for p in tmp_path.iterdir()} == {"coord_check_sp.png", "coord_check_mup.png"}
+    from PIL import Image
+
+    for name in ("sp", "mup"):  # a panel per step (0, 1, 2), side by side, not blank
+        with Image.open(tmp_path / f"coord_check_{name}.png") as image:
+            assert image.format == "PNG" and image.width == 3 * COORD_PANEL_SIZE[0]
+            inked = sum(image.convert("L").histogram()[:250])  # pixels not (nearly) white
+            assert inked > 0.03 * image.width * image.height

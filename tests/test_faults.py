@@ -9,6 +9,7 @@ fault, before anything else is called on the probe.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import os
 import pickle
@@ -136,7 +137,7 @@ def assert_logged_up_to(events: Events, reference: Events, fault: int) -> None:
         want = [(s, v) for s, v in reference.scalars[tag] if s < fault]
         assert [s for s, _ in series] == logged, tag
         assert [v for _, v in series] == pytest.approx([v for _, v in want], rel=1e-6), tag
-    for tag, profiles in events.histograms.items():
+    for tag, profiles in events.profiles.items():
         assert [s for s, _ in profiles] == logged, tag
     assert len(events.layouts) == 1
 
@@ -250,8 +251,8 @@ def test_nan_mid_training_names_the_first_module(tmp_path: Path, reference: Even
 def before(events: Events, step: int) -> Events:
     """The events of the steps before ``step``."""
     scalars = {t: [(s, v) for s, v in series if s < step] for t, series in events.scalars.items()}
-    profiles = {t: [(s, b) for s, b in h if s < step] for t, h in events.histograms.items()}
-    return Events(scalars, profiles, events.texts, events.layouts)
+    profiles = {t: [(s, b) for s, b in h if s < step] for t, h in events.profiles.items()}
+    return dataclasses.replace(events, scalars=scalars, profiles=profiles)
 
 
 def test_optimizer_subclass_calling_super_step_counts_one_step(tmp_path: Path) -> None:

@@ -74,7 +74,7 @@ def test_logs_on_the_trainers_steps_into_its_own_run(tmp_path: Path) -> None:
         assert [s for s, _ in events.scalars[tags.format("resid_rms", "transformer.h", block)]] == (
             loss_steps
         )
-    assert events.histograms  # the depth view went to the same run
+    assert events.profiles  # the depth view went to the same run
     assert callback.probe is None  # removed at the end of training
     assert normprobe.attached_probe(model) is None
 

@@ -123,9 +123,7 @@ def test_other_loggers_get_scalars_and_a_tensorboard_folder(tmp_path: Path) -> N
     ratio = [r for r in rows if r.get(tags.format("grad_ratio", "model.blocks"))]
     assert [int(r["step"]) for r in ratio] == [0, 1, 3, 5]
     events = read_events(str(Path(logger.log_dir) / "normprobe"))
-    assert (
-        tags.format("resid_rms", "model.blocks") in events.histograms and len(events.layouts) == 1
-    )
+    assert tags.format("resid_rms", "model.blocks") in events.profiles and len(events.layouts) == 1
 
 
 def test_without_a_logger_a_default_directory_is_used(tmp_path: Path) -> None:

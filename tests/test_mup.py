@@ -6,12 +6,14 @@ import copy
 import io
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normprobe.muparam import coord_check, mup, mup_param_groups, mup_shapes
+from normprobe import plots
+from normprobe.muparam import COORD_PANEL_SIZE, coord_check, mup, mup_param_groups, mup_shapes
 
 
 class MLP(nn.Module):
@@ -301,4 +303,15 @@ def test_coord_check_sp_grows_with_width_and_mup_stays_flat(tmp_path: Path) -> N
     from PIL import Image
 
     with Image.open(tmp_path / "coord.png") as image:
-        assert image.format == "PNG" and image.size[0] > 4 * 260
+        assert image.format == "PNG"
+        pixels = np.asarray(image.convert("RGB")).astype(int)
+    # a panel per step (four) side by side, a title above, one legend row of the modules below
+    w, h = COORD_PANEL_SIZE
+    assert pixels.shape[:2] == (plots.TITLE_HEIGHT + h + plots.LEGEND_ROW, 4 * w)
+    for k in range(4):  # each panel draws every module with a positive RMS at that step
+        panel = pixels[plots.TITLE_HEIGHT : plots.TITLE_HEIGHT + h, k * w : (k + 1) * w]
+        assert (panel != 255).any(axis=2).mean() > 0.05
+        for i, m in enumerate(mu.modules):
+            if m != "out" and all(v > 0 for v in mu.rms[(m, k)]):  # "out" is under "<root>"
+                color = plots.PALETTE[i]
+                assert (np.abs(panel - color).sum(axis=2) <= 24).sum() > 150, (k, m)

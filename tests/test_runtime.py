@@ -229,7 +229,7 @@ def test_schedule_event_files_layout_and_depth_view(tmp_path: Path) -> None:
         "attn_logit_max", "nonfinite", "weight_rms",
     }  # fmt: skip
     # depth view: one histogram per metric and stack, one bucket per block
-    steps, buckets = zip(*events.histograms[tags.format("resid_rms", "blocks")], strict=True)
+    steps, buckets = zip(*events.profiles[tags.format("resid_rms", "blocks")], strict=True)
     assert steps == (0, 3, 6) and all(len(b) == 3 for b in buckets)
     assert len(events.layouts) == 1
     titles = {
@@ -355,7 +355,8 @@ def test_nonfinite_names_the_first_module_and_warns_once(tmp_path: Path) -> None
     placements = {  # written once per run, for report's wording
         tags.format("placement", stack) + "/text_summary": [0] for stack in ("lins", "lns")
     }
-    assert read_events(str(tmp_path)).texts == {summary: [0, 1], **placements}
+    flags = tags.format("flags", "run") + "/text_summary"  # report's flags, as the run goes
+    assert read_events(str(tmp_path)).texts == {summary: [0, 1], **placements, flags: [1]}
 
 
 def test_residual_read_from_inside_a_forward(tmp_path: Path) -> None:
@@ -477,7 +478,8 @@ def test_state_dict_survives_and_copies_carry_no_probe(tmp_path: Path) -> None:
         twin = clone(model)
         assert torch.equal(twin(x), model(x))
         assert normprobe.attach(twin, log_dir=str(tmp_path / "twin")).remove() is None
-    probe.remove()
+    with pytest.warns(RuntimeWarning, match="no training step"):  # forwards only, no step
+        probe.remove()
 
 
 def _saved(model: nn.Module) -> io.BytesIO:

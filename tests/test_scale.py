@@ -56,10 +56,10 @@ def test_a_1000_block_stack_is_mapped_logged_and_its_event_file_stays_small(
     assert len(model_map.norms) == depth and len(model_map.residual_adds) == depth
     assert [a.block for a in model_map.residual_adds] == list(range(depth))
     # every block was measured: the depth view holds all of them
-    assert events.histograms and all(
-        len(buckets) == depth for series in events.histograms.values() for _, buckets in series
+    assert events.profiles and all(
+        len(buckets) == depth for series in events.profiles.values() for _, buckets in series
     )
-    resid = events.histograms[tags.format("resid_rms", "lins")][0][1]
+    resid = events.profiles[tags.format("resid_rms", "lins")][0][1]
     assert all(v > 0 for v in resid)
 
     # scalar tags: per stack and per group of alike norms, at most CAP blocks each
@@ -81,7 +81,7 @@ def test_a_1000_block_stack_is_mapped_logged_and_its_event_file_stays_small(
     charts = sum(len(c.chart) for layout in events.layouts for c in layout.category)
     bound_bytes = (
         len(events.scalars) * (longest + 16)
-        + len(events.histograms) * (16 * depth + 256)
+        + len(events.profiles) * (16 * depth + 256)
         + charts * (2 * longest + 64)
         + 4096
     )

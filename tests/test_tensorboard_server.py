@@ -14,7 +14,7 @@ from normprobe import tags
 from normprobe.models import TinyTransformer
 
 
-def test_server_lists_tags_layout_and_depth_histograms(
+def test_server_lists_tags_layout_and_depth_heatmaps(
     serve: Callable[[Path], str], tmp_path: Path
 ) -> None:
     model = TinyTransformer(depth=3)
@@ -39,8 +39,14 @@ def test_server_lists_tags_layout_and_depth_histograms(
     assert [point[1] for point in series] == [0, 2]
     layout = get_json(f"{url}/data/plugin/custom_scalars/layout")
     categories = {c["title"]: c["chart"] for c in layout["category"]}
+    # the run's health first
+    assert layout["category"][0]["title"] == "normprobe summary"
+    summary = {c["title"] for c in layout["category"][0]["chart"]}
+    assert {"gradient ratio, last / first block", "loss"} <= summary
     chart = categories["normprobe resid_rms"][0]
     assert chart["title"] == "blocks"
     assert chart["multiline"]["tag"] == [f"^{tags.prefix('resid_rms', 'blocks')}[^/]+$"]
-    histograms = get_json(f"{url}/data/plugin/histograms/tags")["pre_ln"]
-    assert tags.format("resid_rms", "blocks") in histograms
+    # the depth view: a heatmap per series and stack in the Images tab, no histograms
+    images = get_json(f"{url}/data/plugin/images/tags")["pre_ln"]
+    assert tags.format("heatmap", "resid_rms/blocks") in images
+    assert "pre_ln" not in get_json(f"{url}/data/plugin/histograms/tags")

@@ -41,12 +41,15 @@ class Series:
             one ``value``.
         first_block: per-block series: the first block that has a value (``resid_cos``: 1,
             block 0 has no predecessor).
+        scale: how its depth heatmap colours values: ``log`` for norms and ratios, ``linear``
+            for values near one another (cosines).
     """
 
     name: str
     shape: Shape
     row: RowReduce = "value"
     first_block: int = 0
+    scale: Literal["log", "linear"] = "log"
 
 
 @dataclass(frozen=True)

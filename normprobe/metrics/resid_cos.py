@@ -23,7 +23,7 @@ class ResidCos(Family):
         "axis, averaged over positions; near 1 when blocks stop changing the representation"
     )
     # the mean over the deep half of the blocks: what collapse looks at
-    series = (Series("resid_cos", "block", "deep", first_block=1),)
+    series = (Series("resid_cos", "block", "deep", first_block=1, scale="linear"),)
 
     def plan(self, plan: Plan) -> None:
         streams = Streams.of(plan)

@@ -1,0 +1,65 @@
+"""A run's tags read back: which stack and module each belongs to, and every family's flags.
+`normprobe report` reads event files through it, the TensorBoard sink the run as it goes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .. import tags
+from . import FAMILIES, SERIES
+from .base import MODEL, Flag, Points, RunTag
+
+
+def run_tags(tag_names: Sequence[str]) -> list[RunTag]:
+    """The normprobe tags among ``tag_names``, each with its stack (or `MODEL`) and module."""
+    stacks = _stacks(tag_names)
+    return [p for p in (_run_tag(t, stacks) for t in tag_names) if p is not None]
+
+
+def _run_tag(tag: str, stacks: set[str]) -> RunTag | None:
+    parsed = tags.parse(tag)
+    series = SERIES.get(parsed.series) if parsed is not None else None
+    if parsed is None or series is None:
+        return None
+    if series.shape == "model":
+        return RunTag(tag, parsed, MODEL, "")
+    if series.shape in ("stack", "block"):
+        return RunTag(tag, parsed, parsed.subject, "")
+    module = tag.split("/", 2)[2]  # <stack>/<block>.<layer>, or the module's path
+    if parsed.block is not None:
+        return RunTag(tag, parsed, parsed.subject, module)
+    stack, _, index = module.rpartition(".")
+    if stack in stacks and index.isdigit():  # the block is the module (lns.3)
+        return RunTag(tag, parsed, stack, module)
+    return RunTag(tag, parsed, MODEL, module)
+
+
+def _stacks(tag_names: Sequence[str]) -> set[str]:
+    found = set()
+    for tag in tag_names:
+        parsed = tags.parse(tag)
+        series = SERIES.get(parsed.series) if parsed is not None else None
+        if parsed is not None and series is not None and series.shape in ("stack", "block"):
+            found.add(parsed.subject)
+    return found
+
+
+@dataclass
+class RunView:
+    """A run as the families' `flags` read it (`normprobe.metrics.base.Run`)."""
+
+    scalars: Mapping[str, Points]
+    texts: Mapping[str, list[tuple[int, str]]]
+    tags: list[RunTag]
+
+
+def run_flags(
+    scalars: Mapping[str, Points], texts: Mapping[str, list[tuple[int, str]]]
+) -> list[Flag]:
+    """Every family's flags on a run: NaN onset first (what came after it is its consequence),
+    then stack by stack."""
+    run = RunView(scalars, texts, run_tags(list(scalars)))
+    found = [(i, flag) for i, family in enumerate(FAMILIES) for flag in family.flags(run)]
+    found.sort(key=lambda f: (f[1].kind != "nan onset", f[1].stack == MODEL, f[1].stack, f[0]))
+    return [flag for _, flag in found]
