@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # both wheels install from the local disk in under a minute. See "Why torch 2.14.1" in the README.
 TORCH := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test lint install clean gpu-check
+.PHONY: demo test lint install clean gpu-check pictures
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,12 +20,16 @@ demo: $(VENV)/.installed
 	$(PY) -m normprobe.demo
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check normprobe tests examples benchmarks
-	$(VENV)/bin/ruff format --check normprobe tests examples benchmarks
+	$(VENV)/bin/ruff check normprobe tests examples benchmarks docs
+	$(VENV)/bin/ruff format --check normprobe tests examples benchmarks docs
 	$(VENV)/bin/mypy normprobe
 
 test: lint
 	$(VENV)/bin/pytest
+
+# The README's TensorBoard pictures, from the demo's runs, rendered by headless Chromium.
+pictures: demo
+	$(PY) docs/make_pictures.py
 
 # On a machine with CUDA: the CUDA tests, the overhead and norm benchmarks, one table (< 8 min).
 gpu-check: $(VENV)/.installed

@@ -96,6 +96,7 @@ LOSS_REGEX = r"^(train/loss|train_loss|loss)$"
 PROFILE_PLUGIN = "normprobe_profile"  # a depth profile, for `report`; TensorBoard shows none
 # heatmaps keep at most this many logged steps (halved, keeping every other, when full)
 HEATMAP_COLUMNS = 256
+HEATMAP_MIN_COLUMNS = 4  # fewer logged steps say nothing a line chart does not
 HISTORY = 32  # logged steps of each scalar kept to judge flags as the run goes
 
 
@@ -108,7 +109,8 @@ class TensorBoardSink:
       and stack.
     * Images: per stack and per-block series, a depth heatmap (block against logged step),
       rewritten every ``heatmap_every`` records and when the sink closes: one image per series
-      and stack each time (about 20-40 KB), at most `HEATMAP_COLUMNS` columns.
+      and stack each time (about 20 KB), from `HEATMAP_MIN_COLUMNS` logged steps on, at most
+      `HEATMAP_COLUMNS` columns.
     * Text: ``normprobe/flags/run``, what `normprobe report` would flag so far, rewritten when it
       changes at the same cadence.
     * The depth profiles themselves are stored for `report` in summaries TensorBoard does not
@@ -223,7 +225,7 @@ class TensorBoardSink:
         if self._no_plots:
             return
         for tag, columns in self._profiles.items():
-            if tag in self._drawn or not columns:
+            if tag in self._drawn or len(columns) < HEATMAP_MIN_COLUMNS:
                 continue
             parsed = tags.parse(tag)
             if parsed is None:

@@ -20,7 +20,7 @@ def test_server_lists_tags_layout_and_depth_heatmaps(
     model = TinyTransformer(depth=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with normprobe.attach(model, opt, log_dir=str(tmp_path / "pre_ln"), every=2):
-        for _ in range(4):
+        for _ in range(8):  # logged at 0, 2, 4, 6: enough steps for a heatmap
             x = torch.randint(0, 96, (4, 32))
             model.loss(x, x).backward()
             opt.step()
@@ -36,7 +36,7 @@ def test_server_lists_tags_layout_and_depth_heatmaps(
     ratio = tags.format("grad_ratio", "blocks")
     assert ratio in listed and tags.format("resid_rms", "blocks", 0) in listed
     series = get_json(f"{url}/data/plugin/scalars/scalars?run=pre_ln&tag={ratio}")
-    assert [point[1] for point in series] == [0, 2]
+    assert [point[1] for point in series] == [0, 2, 4, 6]
     layout = get_json(f"{url}/data/plugin/custom_scalars/layout")
     categories = {c["title"]: c["chart"] for c in layout["category"]}
     # the run's health first
