@@ -26,6 +26,12 @@ def is_writer() -> bool:
     return world_size() == 1 or dist.get_rank() == 0
 
 
+def check_every(every: Any) -> None:
+    """Raise a ValueError naming ``every`` unless it is a positive integer number of steps."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"`every` must be a positive integer number of steps, got {every!r}")
+
+
 def spread(n: int, cap: int) -> list[int]:
     """Indices ``0..n-1``: all of them up to ``cap``, else ``cap`` spread evenly (first and
     last included)."""

@@ -23,6 +23,7 @@ from transformers.integrations.integration_utils import (
 )
 from transformers.trainer_callback import CallbackHandler
 
+from .common import check_every
 from .metrics import chosen
 from .runtime import Probe
 from .sinks import Record, Sink, TensorBoardSink
@@ -86,10 +87,8 @@ class NormProbeCallback(TrainerCallback):
         example_kwargs: dict[str, Any] | None = None,
         max_block_tags: int = 64,
     ) -> None:
-        if every is not None and (
-            isinstance(every, bool) or not isinstance(every, int) or every < 1
-        ):
-            raise ValueError(f"`every` must be a positive integer number of steps, got {every!r}")
+        if every is not None:
+            check_every(every)
         self.every = every
         self.metrics = chosen(metrics)
         self.example_inputs = example_inputs

@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .common import is_compiled
+from .common import check_every, is_compiled
 from .metrics import chosen
 from .metrics.base import Reduce
 from .runtime import Probe, ProbeHook
@@ -101,10 +101,8 @@ class NormProbe(Callback):
         example_inputs: tuple[Any, ...] | None = None,
         max_block_tags: int = 64,
     ) -> None:
-        if every is not None and (
-            isinstance(every, bool) or not isinstance(every, int) or every < 1
-        ):
-            raise ValueError(f"`every` must be a positive integer number of steps, got {every!r}")
+        if every is not None:
+            check_every(every)
         self.every = every
         self.metrics = chosen(metrics)
         self.example_inputs = example_inputs

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .. import probes, tags
-from ..common import is_writer
+from ..common import check_every, is_writer
 from ..discovery import DiscoveryWarning, ModelMap, discover
 from ..metrics import chosen, family
 from ..metrics.base import Reduce
@@ -332,8 +332,7 @@ def unwrapped_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
 def _check_arguments(model: nn.Module, every: int, max_block_tags: int) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__qualname__}")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"`every` must be a positive integer number of steps, got {every!r}")
+    check_every(every)
     if max_block_tags < 2:
         raise ValueError(f"`max_block_tags` must be at least 2, got {max_block_tags}")
     if attached_probe(model) is not None:
