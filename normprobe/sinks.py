@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+import time
 import warnings
 import weakref
 from collections import deque
@@ -108,7 +110,8 @@ class TensorBoardSink:
       attention logits, non-finite outputs, the loss), then one multi-line chart per series
       and stack.
     * Images: per stack and per-block series, a depth heatmap (block against logged step),
-      rewritten every ``heatmap_every`` records and when the sink closes: one image per series
+      rewritten every ``heatmap_every`` records but at most once a minute (``heatmap_seconds``),
+      and when the sink closes: one image per series
       and stack each time (about 20 KB), from `HEATMAP_MIN_COLUMNS` logged steps on, at most
       `HEATMAP_COLUMNS` columns.
     * Text: ``normprobe/flags/run``, what `normprobe report` would flag so far, rewritten when it
@@ -129,7 +132,9 @@ class TensorBoardSink:
         flush_secs: how often a writer made here flushes in the background.
         layout: write the custom-scalars layout with the first record (False: the directory
             holds it already, as when a run resumes).
-        heatmap_every: rewrite the heatmaps and flags every this many records (0: never).
+        heatmap_every: rewrite the flags, and the heatmaps, every this many records (0: never).
+        heatmap_seconds: and the heatmaps at most once in this many seconds (drawing one takes
+            about 80 ms of the training thread's time).
         depth_histograms: also write the depth profiles as histograms.
     """
 
@@ -141,6 +146,7 @@ class TensorBoardSink:
         flush_secs: float = 1.0,
         layout: bool = True,
         heatmap_every: int = 10,
+        heatmap_seconds: float = 60.0,
         depth_histograms: bool = False,
     ) -> None:
         _use_fast_checksums()
@@ -153,6 +159,8 @@ class TensorBoardSink:
         self.close_writer = bool(close_writer)
         self.layout_written = not layout
         self.heatmap_every = heatmap_every
+        self.heatmap_seconds = heatmap_seconds
+        self._drawn_at = -math.inf  # when the heatmaps were last drawn (time.monotonic)
         self.depth_histograms = depth_histograms
         self._records = 0
         self._last_step = 0
@@ -195,7 +203,7 @@ class TensorBoardSink:
         self._records += 1
         self._last_step = record.step
         if self.heatmap_every and self._records % self.heatmap_every == 0:
-            self._draw()
+            self._draw(images=time.monotonic() - self._drawn_at >= self.heatmap_seconds)
 
     def _keep_column(self, tag: str, step: int, values: list[float]) -> None:
         columns = self._profiles.setdefault(tag, [])
@@ -209,8 +217,9 @@ class TensorBoardSink:
             self._first.setdefault(tag, (record.step, value))
             self._history.setdefault(tag, deque(maxlen=HISTORY)).append((record.step, value))
 
-    def _draw(self) -> None:
-        """Rewrite the heatmaps that have new columns, and the flags if they changed."""
+    def _draw(self, images: bool = True) -> None:
+        """Rewrite the flags if they changed, and (with ``images``) the heatmaps that have new
+        columns."""
         from .metrics.run import run_flags
 
         scalars = {
@@ -222,7 +231,7 @@ class TensorBoardSink:
         if text != self._flags_text:
             self._flags_text = text
             self.writer.add_text(tags.format("flags", "run"), text, self._last_step)
-        if self._no_plots:
+        if self._no_plots or not images:
             return
         for tag, columns in self._profiles.items():
             if tag in self._drawn or len(columns) < HEATMAP_MIN_COLUMNS:
@@ -247,6 +256,7 @@ class TensorBoardSink:
             heatmap = tags.format("heatmap", f"{parsed.series}/{parsed.subject}")
             self.writer.add_image(heatmap, image, self._last_step, dataformats="HWC")
             self._drawn.add(tag)
+            self._drawn_at = time.monotonic()
 
     def flush(self) -> None:
         self.writer.flush()

@@ -37,3 +37,23 @@ def test_a_sink_writes_records_tensorboard_verifies(tmp_path: Path) -> None:
     series = scalars[tags.format("x", "7")]
     assert [step for step, _ in series] == [0, 1, 2]
     assert [value for _, value in series] == pytest.approx([0.7, 1.7, 2.7])
+
+
+def _profile_records(n: int) -> list[Record]:
+    tag = tags.format("grad_norm", "blocks")
+    return [Record(step, profiles={tag: [1.0 + step, 2.0, 3.0]}) for step in range(n)]
+
+
+@pytest.mark.parametrize(("seconds", "drawn"), [(3600.0, [3, 5]), (0.0, [3, 4, 5])])
+def test_heatmaps_are_redrawn_at_a_bounded_cadence(
+    tmp_path: Path, seconds: float, drawn: list[int]
+) -> None:
+    pytest.importorskip("matplotlib")
+    sink = TensorBoardSink(log_dir=str(tmp_path), heatmap_every=1, heatmap_seconds=seconds)
+    for record in _profile_records(6):
+        sink.write(record)
+    sink.close()
+    images = read_events(str(tmp_path)).images[tags.format("heatmap", "grad_norm/blocks")]
+    # from 4 logged steps on, at every record but at most once an hour; and at the close
+    # unless nothing changed since the last drawing
+    assert images == drawn
