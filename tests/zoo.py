@@ -37,21 +37,30 @@ from normprobe.models import ResidualStack
 __all__ = ["NAMES", "UNTRACEABLE", "Expected", "ZooModel", "build", "deepnet_alpha"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Expected:
-    """Ground truth for one zoo model (see the module docstring for the conventions)."""
+    """Ground truth for one zoo model (see the module docstring for the conventions).
+
+    ``branch_out`` left out is the single writer of each add in ``writers`` (None where an add
+    has several), what `normprobe.ResidualAdd.branch_out` documents.
+    """
 
     norms: dict[str, int]
     roles: dict[str, int]
     stacks: dict[str, tuple[int, str]]
     adds_per_stack: dict[str, int]
     residual_adds: int
-    branch_out: dict[str, str | None]
     attention: int
     head: str | None
     projection_adds: int = 0
     # "<module path>#<ordinal>" -> every layer writing into the stream through that add
     writers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    branch_out: dict[str, str | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.branch_out is None:
+            single = {k: v[0] if len(v) == 1 else None for k, v in self.writers.items()}
+            object.__setattr__(self, "branch_out", single)
 
 
 @dataclass

@@ -11,8 +11,8 @@ Line numbers refer to transformers 5.24.0 under ``site-packages/transformers``; 
 each builder gives the reasoning behind every expected number. Conventions beyond ``zoo.py``:
 
 * ``writers`` is given for at least every add of block 0 of each stack (and for a block whose
-  branch differs from block 0's, such as DeepSeek-V3's first MoE layer). ``branch_out`` is the
-  single writer, or None when an add has several.
+  branch differs from block 0's, such as DeepSeek-V3's first MoE layer). ``branch_out`` follows
+  from them (``Expected``): the single writer, or None when an add has several.
 * A fused experts module (one 3-D ``down_proj`` parameter applied as ``F.linear(x, W[e])``) is one
   writer, named by the module; ``writer_params`` (not part of ``Expected``) would name
   ``<experts>.down_proj``. MoE models are built with ``experts_implementation="eager"``, the
@@ -27,7 +27,7 @@ each builder gives the reasoning behind every expected number. Conventions beyon
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,11 +44,6 @@ _Built = tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]
 
 def _ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ))
-
-
-def _bo(entries: dict[str, str | None]) -> dict[str, str]:
-    """``Expected.branch_out``; None marks an add with several writers (so no single one)."""
-    return cast("dict[str, str]", entries)
 
 
 def _config(cls: Callable[..., Any], **kwargs: Any) -> Any:
@@ -100,7 +95,6 @@ def build_gptj() -> _Built:
         stacks={"transformer.h": (2, "parallel")},
         adds_per_stack={"transformer.h": 2},
         residual_adds=2,
-        branch_out=_bo({"transformer.h.0#0": None, "transformer.h.1#0": None}),
         attention=2,
         head="lm_head",
         writers={
@@ -147,7 +141,6 @@ def build_gpt_neox() -> _Built:
         stacks={p: (2, "parallel")},
         adds_per_stack={p: 2},
         residual_adds=2,
-        branch_out=_bo({f"{p}.0#0": None, f"{p}.1#0": None}),
         attention=2,
         head="lm_head",
         writers={
@@ -193,7 +186,6 @@ def build_phi() -> _Built:
         stacks={"model.layers": (2, "parallel")},
         adds_per_stack={"model.layers": 2},
         residual_adds=2,
-        branch_out=_bo({"model.layers.0#0": None, "model.layers.1#0": None}),
         attention=2,
         head="lm_head",
         writers={
@@ -247,7 +239,6 @@ def build_falcon() -> _Built:
         stacks={p: (2, "parallel")},
         adds_per_stack={p: 2},
         residual_adds=2,
-        branch_out=_bo({f"{p}.0#0": None, f"{p}.1#0": None}),
         attention=2,
         head="lm_head",
         writers={
@@ -297,7 +288,6 @@ def build_cohere() -> _Built:
         stacks={"model.layers": (2, "parallel")},
         adds_per_stack={"model.layers": 2},
         residual_adds=2,
-        branch_out=_bo({"model.layers.0#0": None, "model.layers.1#0": None}),
         attention=2,
         head="lm_head",
         writers={
@@ -354,13 +344,6 @@ def build_mixtral() -> _Built:
         stacks={"model.layers": (2, "pre-ln")},
         adds_per_stack={"model.layers": 4},
         residual_adds=4,
-        branch_out=_bo(
-            {
-                "model.layers.0#0": "model.layers.0.self_attn.o_proj",
-                "model.layers.0#1": "model.layers.0.mlp.experts",
-                "model.layers.1#1": "model.layers.1.mlp.experts",
-            }
-        ),
         attention=2,
         head="lm_head",
         writers={
@@ -416,12 +399,6 @@ def build_qwen2_moe() -> _Built:
         stacks={"model.layers": (2, "pre-ln")},
         adds_per_stack={"model.layers": 4},
         residual_adds=4,
-        branch_out=_bo(
-            {
-                "model.layers.0#0": "model.layers.0.self_attn.o_proj",
-                "model.layers.0#1": None,
-            }
-        ),
         attention=2,
         head="lm_head",
         writers={
@@ -490,13 +467,6 @@ def build_deepseek_v3() -> _Built:
         stacks={"model.layers": (2, "pre-ln")},
         adds_per_stack={"model.layers": 4},
         residual_adds=4,
-        branch_out=_bo(
-            {
-                "model.layers.0#0": "model.layers.0.self_attn.o_proj",
-                "model.layers.0#1": "model.layers.0.mlp.down_proj",
-                "model.layers.1#1": None,
-            }
-        ),
         attention=2,
         head="lm_head",
         writers={
@@ -547,12 +517,6 @@ def build_qwen3() -> _Built:
         stacks={"model.layers": (2, "pre-ln")},
         adds_per_stack={"model.layers": 4},
         residual_adds=4,
-        branch_out=_bo(
-            {
-                "model.layers.0#0": "model.layers.0.self_attn.o_proj",
-                "model.layers.0#1": "model.layers.0.mlp.down_proj",
-            }
-        ),
         attention=2,
         head="lm_head",
         writers={
@@ -598,12 +562,6 @@ def build_olmo2() -> _Built:
         stacks={"model.layers": (2, "in-branch")},
         adds_per_stack={"model.layers": 4},
         residual_adds=4,
-        branch_out=_bo(
-            {
-                "model.layers.0#0": "model.layers.0.self_attn.o_proj",
-                "model.layers.0#1": "model.layers.0.mlp.down_proj",
-            }
-        ),
         attention=2,
         head="lm_head",
         writers={
@@ -667,15 +625,6 @@ def build_bart() -> _Built:
         stacks={e: (2, "post-ln"), d: (2, "post-ln")},
         adds_per_stack={e: 4, d: 6},
         residual_adds=10,
-        branch_out=_bo(
-            {
-                f"{e}.0#0": f"{e}.0.self_attn.out_proj",
-                f"{e}.0#1": f"{e}.0.fc2",
-                f"{d}.0#0": f"{d}.0.self_attn.out_proj",
-                f"{d}.0#1": f"{d}.0.encoder_attn.out_proj",
-                f"{d}.0#2": f"{d}.0.fc2",
-            }
-        ),
         attention=6,
         head=None,
         writers={
@@ -732,9 +681,6 @@ def build_albert() -> _Built:
         stacks={g: (3, "post-ln")},
         adds_per_stack={g: 6},
         residual_adds=6,
-        branch_out=_bo(
-            {f"{lay}.attention#0": f"{lay}.attention.dense", f"{lay}#0": f"{lay}.ffn_output"}
-        ),
         attention=1,
         head=None,
         writers={
@@ -789,7 +735,6 @@ def build_mamba() -> _Built:
         stacks={p: (2, "pre-ln")},
         adds_per_stack={p: 2},
         residual_adds=2,
-        branch_out=_bo({f"{p}.0#0": f"{p}.0.mixer.out_proj", f"{p}.1#0": f"{p}.1.mixer.out_proj"}),
         attention=0,
         head="lm_head",
         writers={f"{p}.0#0": (f"{p}.0.mixer.out_proj",), f"{p}.1#0": (f"{p}.1.mixer.out_proj",)},
@@ -839,7 +784,6 @@ def build_dinov2() -> _Built:
         stacks={p: (2, "pre-ln")},
         adds_per_stack={p: 4},
         residual_adds=4,
-        branch_out=_bo({f"{p}.0#0": f"{p}.0.attention.o_proj", f"{p}.0#1": f"{p}.0.mlp.fc2"}),
         attention=2,
         head="classifier",
         writers={f"{p}.0#0": (f"{p}.0.attention.o_proj",), f"{p}.0#1": (f"{p}.0.mlp.fc2",)},
@@ -895,12 +839,6 @@ def build_convnextv2() -> _Built:
         },
         adds_per_stack={s: 0, f"{s}.0.layers": 2, f"{s}.1.layers": 2},
         residual_adds=4,
-        branch_out=_bo(
-            {
-                f"{s}.0.layers.0#0": f"{s}.0.layers.0.pwconv2",
-                f"{s}.1.layers.0#0": f"{s}.1.layers.0.pwconv2",
-            }
-        ),
         attention=0,
         head="classifier",
         writers={
@@ -976,14 +914,6 @@ def build_segformer() -> _Built:
         },
         adds_per_stack={s: 0, f"{s}.0.blocks": 4, f"{s}.1.blocks": 4},
         residual_adds=8,
-        branch_out=_bo(
-            {
-                f"{s}.0.blocks.0#0": f"{s}.0.blocks.0.attention.o_proj",
-                f"{s}.0.blocks.0#1": f"{s}.0.blocks.0.mlp.fc2",
-                f"{s}.1.blocks.0#0": f"{s}.1.blocks.0.attention.o_proj",
-                f"{s}.1.blocks.0#1": f"{s}.1.blocks.0.mlp.fc2",
-            }
-        ),
         attention=4,
         head="decode_head.classifier",
         writers={
