@@ -36,6 +36,16 @@ def hook_count(model: nn.Module) -> int:
     return total
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Torch on one thread for the test: tiny models gain nothing from a second one, and OpenMP
+    threads that wait for each other on a busy machine made training tests 30x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _no_global_hooks_left() -> Iterator[None]:
     before = {name: len(getattr(module_globals, name)) for name in _GLOBAL_HOOKS}

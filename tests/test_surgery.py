@@ -6,7 +6,7 @@ import math
 import re
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,14 +38,7 @@ GAIN = torch.arange(1, 9) / 4
 EPS = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # these tiny models gain nothing from a second thread, and OpenMP threads that wait for each
-    # other on a busy machine made the training tests 30x slower
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _kinds(model: nn.Module, *args: object, **kwargs: object) -> dict[str, int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,12 +25,7 @@ from normprobe.surgery import convert_norms, convert_norms_with_report
 EPS = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
