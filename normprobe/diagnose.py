@@ -422,9 +422,7 @@ def diagnose(
             scalars = dict(record.scalars) if record is not None else {}
             logit_tags = {a.path: probe.tag("attn_logit_max", a.path) for a in model_map.attention}
         finally:
-            with warnings.catch_warnings():  # "no step": an input error ended the forward
-                warnings.simplefilter("ignore", RuntimeWarning)
-                probe.remove()
+            probe.remove()
         cap.chains = _relu_chains(cap.pairs)
         for pair in cap.pairs:  # keep no activation alive in the result
             pair.x_in = pair.y_out = None

@@ -645,6 +645,12 @@ def test_forwards_without_a_step_warn_on_remove() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         stepped.remove()
+    # removed by an exception that ends the loop: the exception says what happened
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(KeyError), normprobe.attach(model, sinks=[normprobe.MemorySink()]):
+            model(torch.randn(2, 8))
+            raise KeyError("the loop failed")
 
 
 def test_example_inputs_as_a_mapping_are_keyword_inputs() -> None:

@@ -37,7 +37,6 @@ FAMILIES: tuple[Family, ...] = (
 )
 METRICS: dict[str, str] = {f.name: f.description for f in FAMILIES}
 SERIES: dict[str, Series] = {s.name: s for f in FAMILIES for s in f.series}
-_OWNER: dict[str, Family] = {s.name: f for f in FAMILIES for s in f.series}
 
 
 def family(name: str) -> Family:
@@ -46,11 +45,6 @@ def family(name: str) -> Family:
         if f.name == name:
             return f
     raise ValueError(f"unknown metric {name!r}; choose from {sorted(METRICS)}")
-
-
-def owner(series: str) -> Family | None:
-    """The family that writes ``series`` (a tag's second segment)."""
-    return _OWNER.get(series)
 
 
 def chosen(metrics: object) -> tuple[str, ...]:
@@ -64,4 +58,4 @@ def chosen(metrics: object) -> tuple[str, ...]:
     return tuple(names)
 
 
-__all__ = ["FAMILIES", "METRICS", "SERIES", "Family", "Flag", "Series", "chosen", "family", "owner"]
+__all__ = ["FAMILIES", "METRICS", "SERIES", "Family", "Flag", "Series", "chosen", "family"]

@@ -268,12 +268,6 @@ def placement(run: Run, stack: str) -> str | None:
     return texts[-1][1] if texts else None
 
 
-def last_finite(points: Points) -> tuple[int, float] | None:
-    """The last (step, value) with a finite value."""
-    finite = [(s, v) for s, v in points if math.isfinite(v)]
-    return finite[-1] if finite else None
-
-
 class Batch:
     """Tensors read during a logged forward, reduced a chunk at a time by one batched call.
 

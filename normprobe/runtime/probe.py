@@ -277,7 +277,9 @@ class Probe:
             return
         self._removed = True
         self._recording = False
-        if self._forwards and not self._steps_ended and is_writer():
+        # removed while an exception propagates: that exception is the story, not the steps
+        unwinding = sys.exc_info()[0] is not None
+        if self._forwards and not self._steps_ended and not unwinding and is_writer():
             how = (
                 "its optimizer never stepped"
                 if self.optimizer is not None
