@@ -356,10 +356,6 @@ def _label(t: RunTag) -> str:
     return f"{name} .{t.parsed.layer}" if t.parsed.layer else f"{name}[{series.row}]"
 
 
-def _parsed(scalars: dict[str, Points]) -> list[RunTag]:
-    return run_tags(list(scalars))
-
-
 def _members(kind: str, members: list[RunTag]) -> list[RunTag]:
     """The tags a row reads: the last block, the deep half, or all of them."""
     if kind not in ("last", "deep"):
@@ -380,7 +376,7 @@ def _reduce(kind: str, values: list[float]) -> float:
 
 def _rows(scalars: dict[str, Points]) -> list[Trend]:
     grouped: dict[tuple[str, str], list[RunTag]] = {}
-    for p in _parsed(scalars):
+    for p in run_tags(list(scalars)):
         grouped.setdefault((p.stack, _label(p)), []).append(p)
     rows = []
     for (stack, label), members in grouped.items():
