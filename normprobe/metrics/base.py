@@ -171,6 +171,10 @@ class Out(Protocol):
         """A per-block series of a stack: tags for up to max_block_tags evenly spread blocks,
         and the depth profile (one value per block, NaN where none was measured)."""
 
+    def vector(self, series: str, subject: str, values: Sequence[float]) -> None:
+        """Several values of one subject (a module's heads), stored like a depth profile under
+        ``normprobe/<series>/<subject>``: in the record's profiles, not as scalars."""
+
 
 @dataclass(frozen=True)
 class Flag:

@@ -252,6 +252,9 @@ class RecordOut:
         depth = self._plan.depth[stack]
         self.record.profiles[profile] = [values.get(b, math.nan) for b in range(depth)]
 
+    def vector(self, series: str, subject: str, values: Sequence[float]) -> None:
+        self.record.profiles[f"{tags.PREFIX}/{series}/{subject}"] = list(values)
+
 
 def _output_reader(
     index: int, action: Callable[[int, Any], None], recording: Callable[[], bool]
