@@ -276,9 +276,12 @@ def depth_heatmap(
     steps: Sequence[int],
     values: Sequence[Sequence[float]],
     log: bool,
+    xlabel: str = "step",
+    ylabel: str = "block",
 ) -> np.ndarray:
     """Render one metric over blocks and steps as an image: block (y, block 0 at the bottom)
-    against logged step (x), one column per step, with a colour bar and a title.
+    against logged step (x), one column per step, with a colour bar and a title. With other
+    axis labels it draws any such grid (heads against blocks: ``steps`` are then blocks).
 
     Args:
         title: heads the image.
@@ -357,8 +360,8 @@ def depth_heatmap(
     ax.set_xticks([steps[k] if even else k for k in ticks], [str(steps[k]) for k in ticks])
     ax.yaxis.set_major_locator(MaxNLocator(nbins=8, integer=True))
     ax.tick_params(labelsize="small")
-    ax.set_xlabel("step", fontsize="small")
-    ax.set_ylabel("block", fontsize="small")
+    ax.set_xlabel(xlabel, fontsize="small")
+    ax.set_ylabel(ylabel, fontsize="small")
     ax.set_title(title, fontsize="medium")
     if not shown.size:
         ax.text(0.5, 0.5, "no values", ha="center", va="center", transform=ax.transAxes)

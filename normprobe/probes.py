@@ -243,42 +243,53 @@ def abs_max(scores: torch.Tensor) -> torch.Tensor:
     return torch.maximum(high, -low).float()
 
 
+def head_abs_max(scores: torch.Tensor, heads: int) -> torch.Tensor:
+    """max |s| of each of ``heads`` heads over attention logits (..., queries, keys), as float32.
+
+    The dims before the last two are flattened; their index modulo ``heads`` is the head, which
+    holds for (batch, heads, ...) and for (batch * heads, ...) alike. When they do not split
+    into ``heads`` (a layout discovery could not read), every head gets the overall max.
+    """
+    s = scores.detach()
+    if s.ndim < 2:
+        return abs_max(s).expand(heads)
+    dims = (-2, -1)
+    per_slice = torch.maximum(s.amax(dim=dims), -s.amin(dim=dims)).float().reshape(-1)
+    if per_slice.numel() % heads:
+        return per_slice.amax().expand(heads)
+    return per_slice.view(-1, heads).amax(dim=0)
+
+
 def sdpa_logit_max(
     query: torch.Tensor,
     key: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    is_causal: bool = False,
     scale: float | None = None,
+    heads: int | None = None,
     chunk_elements: int = 1 << 22,
 ) -> torch.Tensor:
-    """max |q . k| * scale over the logits ``scaled_dot_product_attention`` would compute.
+    """max |q . k| * scale of each query head over the logits ``scaled_dot_product_attention``
+    forms: a vector of ``heads`` values (default: ``query.shape[-3]``, 1 for 2-D queries).
 
-    The logits are materialized in float32 a block of query rows at a time, so memory stays
-    near ``chunk_elements`` floats whatever the sequence length. Positions a boolean mask or
-    ``is_causal`` excludes are skipped; a float mask is additive, not part of the logits the
-    model forms from q and k, and is ignored. Grouped-query attention (fewer key heads) is
-    expanded.
+    Every q . k product counts, masks (``attn_mask``, ``is_causal``) left out as they are in
+    eager attention, where the max is taken before a mask meets the logits. The logits are
+    materialized in float32 a block of query rows at a time, so memory stays near
+    ``chunk_elements`` floats whatever the sequence length. Grouped-query attention (fewer key
+    heads) is expanded to the query's heads.
     """
     q, k = query.detach().float(), key.detach().float()
+    if heads is None:
+        heads = q.shape[-3] if q.ndim >= 3 else 1
     if k.ndim >= 3 and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    keep = attn_mask if attn_mask is not None and attn_mask.dtype == torch.bool else None
     t_q, t_k = q.shape[-2], k.shape[-2]
     rows_per_chunk = max(1, chunk_elements // max(1, q[..., :1, :1].numel() * t_k))
-    best = torch.zeros((), device=q.device)
+    best = torch.zeros(heads, device=q.device)
     kt = k.transpose(-1, -2)
     for start in range(0, t_q, rows_per_chunk):
-        stop = min(t_q, start + rows_per_chunk)
-        s = q[..., start:stop, :] @ kt  # unscaled: max |s * c| = |c| * max |s|
-        if keep is not None:
-            m = keep[..., start:stop, :] if keep.shape[-2] == t_q else keep
-            s = s.masked_fill(~m, 0.0)  # 0 never wins a max of |.|
-        if is_causal:  # as torch's SDPA: query row r sees keys 0..r (top-left aligned)
-            s.tril_(start)
-        low, high = torch.aminmax(s)
-        best = torch.maximum(best, torch.maximum(high, -low) * abs(scale))
-    return best
+        s = q[..., start : start + rows_per_chunk, :] @ kt  # unscaled: max |s c| = |c| max |s|
+        best = torch.maximum(best, head_abs_max(s, heads))
+    return best * abs(scale)
 
 
 def mha_logit_max(
@@ -293,7 +304,8 @@ def mha_logit_max(
     static_k: torch.Tensor | None = None,
     chunk_elements: int = 1 << 22,
 ) -> torch.Tensor:
-    """max |q . k| / sqrt(head_dim) over the logits ``F.multi_head_attention_forward`` forms.
+    """max |q . k| / sqrt(head_dim) of each of the ``num_heads`` heads over the logits
+    ``F.multi_head_attention_forward`` forms.
 
     ``query`` and ``key`` are (sequence, batch, features) or unbatched (sequence, features);
     q = query w_q^T + b_q and k = key w_k^T + b_k are split into ``num_heads`` heads, with
@@ -317,7 +329,7 @@ def mha_logit_max(
         if bias_k is not None:
             k = torch.cat([k, bias_k.detach().float().expand(1, k.shape[1], -1)])
         k = k.reshape(k.shape[0], k.shape[1], num_heads, head_dim).permute(1, 2, 0, 3)
-    return sdpa_logit_max(q, k, chunk_elements=chunk_elements)
+    return sdpa_logit_max(q, k, heads=num_heads, chunk_elements=chunk_elements)
 
 
 def batchnorm_stats(
@@ -385,3 +397,32 @@ def loglog_slope(values: Sequence[float]) -> float:
     my = sum(p[1] for p in points) / len(points)
     sxx = sum((p[0] - mx) ** 2 for p in points)
     return sum((p[0] - mx) * (p[1] - my) for p in points) / sxx
+
+
+def outlier_stats(x: torch.Tensor) -> torch.Tensor:
+    """(max |x| / median |x|, the channel holding that max, the kurtosis of the channels' RMS)
+    of an activation, as float32; channels lie along `feature_dim`.
+
+    The median is over the nonzero entries (exact zeros, a ReLU's, are sparsity rather than
+    magnitude; a transformer's stream has none) and is torch's, the lower middle value of an
+    even count; the ratio is NaN when every entry is 0. The max and the median are exact in
+    ``x``'s own dtype. With s_j the RMS of channel j over all other positions, the kurtosis
+    mean(s^4) / mean(s^2)^2 is 1 when every channel has the same RMS and the number of
+    channels when one holds everything.
+    """
+    x = x.detach()
+    if x.ndim == 1:
+        x = x.unsqueeze(0)  # one position
+    dim = feature_dim(x) % x.ndim
+    magnitude = x.abs()
+    top, where = magnitude.amax().float(), magnitude.argmax()
+    median = magnitude.masked_fill_(magnitude == 0, math.nan).nanmedian().float()
+    inner = math.prod(x.shape[dim + 1 :])  # flat-index step from one channel to the next
+    channel = (where // inner % x.shape[dim]).float()
+    # each channel's sum of squares (its RMS squared, times a count every channel shares),
+    # scaled by the largest so that its square cannot overflow float32
+    others = [d for d in range(x.ndim) if d != dim]
+    power = torch.linalg.vector_norm(x, dim=others, dtype=_wide(x)).pow(2)
+    power = power / power.amax()
+    kurtosis = power.pow(2).mean() / power.mean().pow(2)
+    return torch.stack([top / median, channel, kurtosis.float()])

@@ -113,7 +113,9 @@ class TensorBoardSink:
       rewritten every ``heatmap_every`` records but at most once a minute (``heatmap_seconds``),
       and when the sink closes: one image per series
       and stack each time (about 20 KB), from `HEATMAP_MIN_COLUMNS` logged steps on, at most
-      `HEATMAP_COLUMNS` columns.
+      `HEATMAP_COLUMNS` columns. Per-head series (``attn_logits_head``) get, at the same
+      cadence, one heads x blocks image per stack and position in the block (``attn``) of the
+      latest logged step.
     * Text: ``normprobe/flags/run``, what `normprobe report` would flag so far, rewritten when it
       changes at the same cadence.
     * The depth profiles themselves are stored for `report` in summaries TensorBoard does not
@@ -165,6 +167,9 @@ class TensorBoardSink:
         self._records = 0
         self._last_step = 0
         self._profiles: dict[str, list[tuple[int, list[float]]]] = {}
+        # (series, stack, layer) -> block -> the latest value of each head
+        self._heads: dict[tuple[str, str, str], dict[int, list[float]]] = {}
+        self._drawn_heads: set[tuple[str, str, str]] = set()
         self._drawn: set[str] = set()  # profiles drawn since their last new column
         self._history: dict[str, deque[tuple[int, float]]] = {}
         self._first: dict[str, tuple[int, float]] = {}
@@ -193,6 +198,11 @@ class TensorBoardSink:
                 _profile_summary(record.profiles), record.step
             )
         for tag, values in record.profiles.items():
+            parsed = tags.parse(tag)
+            series = SERIES.get(parsed.series) if parsed is not None else None
+            if parsed is not None and series is not None and series.heads:
+                self._keep_heads(parsed, values)
+                continue
             if self.depth_histograms:
                 _depth_histogram(self.writer, tag, values, record.step)
             self._keep_column(tag, record.step, values)
@@ -211,6 +221,15 @@ class TensorBoardSink:
         if len(columns) > HEATMAP_COLUMNS:
             del columns[1::2]  # every other step, the first and the newest kept
         self._drawn.discard(tag)
+
+    def _keep_heads(self, tag: tags.Tag, values: list[float]) -> None:
+        """The latest per-head vector of a module inside a block, for the heads x blocks
+        picture of its stack and position (``blocks``, ``attn``)."""
+        if tag.block is None:
+            return
+        key = (tag.series, tag.subject, tag.layer or "")
+        self._heads.setdefault(key, {})[tag.block] = values
+        self._drawn_heads.discard(key)
 
     def _remember(self, record: Record) -> None:
         for tag, value in record.scalars.items():
@@ -233,6 +252,15 @@ class TensorBoardSink:
             self.writer.add_text(tags.format("flags", "run"), text, self._last_step)
         if self._no_plots or not images:
             return
+        try:
+            self._draw_heatmaps()
+        except ImportError as err:
+            self._no_plots = True
+            warnings.warn(f"normprobe: no depth heatmaps: {err}", UserWarning, stacklevel=3)
+
+    def _draw_heatmaps(self) -> None:
+        from .plots import depth_heatmap
+
         for tag, columns in self._profiles.items():
             if tag in self._drawn or len(columns) < HEATMAP_MIN_COLUMNS:
                 continue
@@ -240,22 +268,32 @@ class TensorBoardSink:
             if parsed is None:
                 continue
             series = SERIES.get(parsed.series)
-            try:
-                from .plots import depth_heatmap
-
-                image = depth_heatmap(
-                    f"{parsed.series}, stack {parsed.subject}",
-                    [s for s, _ in columns],
-                    [v for _, v in columns],
-                    log=series is None or series.scale == "log",
-                )
-            except ImportError as err:
-                self._no_plots = True
-                warnings.warn(f"normprobe: no depth heatmaps: {err}", UserWarning, stacklevel=2)
-                return
+            image = depth_heatmap(
+                f"{parsed.series}, stack {parsed.subject}",
+                [s for s, _ in columns],
+                [v for _, v in columns],
+                log=series is None or series.scale == "log",
+            )
             heatmap = tags.format("heatmap", f"{parsed.series}/{parsed.subject}")
             self.writer.add_image(heatmap, image, self._last_step, dataformats="HWC")
             self._drawn.add(tag)
+            self._drawn_at = time.monotonic()
+        for key, by_block in self._heads.items():
+            if key in self._drawn_heads:
+                continue
+            series_name, stack, layer = key
+            blocks = sorted(by_block)
+            image = depth_heatmap(
+                f"{series_name}, stack {stack}, {layer} at step {self._last_step}",
+                blocks,
+                [by_block[b] for b in blocks],
+                log=True,
+                xlabel="block",
+                ylabel="head",
+            )
+            heatmap = tags.format("heatmap", f"{series_name}/{stack}/{layer}")
+            self.writer.add_image(heatmap, image, self._last_step, dataformats="HWC")
+            self._drawn_heads.add(key)
             self._drawn_at = time.monotonic()
 
     def flush(self) -> None:

@@ -199,15 +199,7 @@ def test_mha_logit_max_unbatched_separate_weights_and_bias_k() -> None:
     got = probes.mha_logit_max(
         query, key, 2, m.q_proj_weight, b[:8], m.k_proj_weight, b[8:16], m.bias_k
     )
-    assert float(got) == pytest.approx(float(s.detach().abs().max()), rel=1e-5)
-
-
-def test_sdpa_logit_max_ignores_a_float_mask() -> None:
-    q, k = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
-    want = (q @ k.transpose(-1, -2) / 2.0).abs().amax()
-    mask = torch.full((6, 6), -100.0).triu(1)
-    got = probes.sdpa_logit_max(q, k, attn_mask=mask, chunk_elements=16)
-    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    torch.testing.assert_close(got, s.detach().abs().amax(dim=(1, 2)), rtol=1e-5, atol=0)
 
 
 def test_swin_at_init_has_no_attention_logit_finding(tmp_path: Path) -> None:

@@ -94,28 +94,32 @@ def test_logit_stats() -> None:
     assert z == pytest.approx((math.log(2.0) + math.log(3.0 + math.exp(-2.0))) / 2)
 
 
-def test_sdpa_logit_max_matches_materialized_logits() -> None:
+def test_sdpa_logit_max_per_head_matches_materialized_logits() -> None:
     q, k = torch.randn(2, 4, 10, 8), torch.randn(2, 4, 10, 8)
     full = q @ k.transpose(-1, -2) / math.sqrt(8)
-    causal = torch.ones(10, 10, dtype=torch.bool).tril()
-    expected = full.masked_fill(~causal, 0).abs().amax()
-    assert float(probes.sdpa_logit_max(q, k, is_causal=True)) == pytest.approx(float(expected))
-    # chunked over query rows, explicit scale, boolean mask
-    got = probes.sdpa_logit_max(q, k, attn_mask=causal, scale=0.5, chunk_elements=64)
-    assert float(got) == pytest.approx(
-        float((q @ k.transpose(-1, -2) * 0.5)[..., causal].abs().max())
-    )
-    # causal over fewer queries than keys, chunked: the mask torch's SDPA applies (top-left)
-    q4 = q[..., :4, :]
-    keep = torch.ones(4, 10, dtype=torch.bool).tril()
-    want = (q4 @ k.transpose(-1, -2) / math.sqrt(8))[..., keep].abs().max()
-    got = probes.sdpa_logit_max(q4, k, is_causal=True, chunk_elements=2 * 4 * 10)
-    assert float(got) == pytest.approx(float(want))
-    # grouped-query attention: 2 key heads serve 4 query heads
+    want = full.abs().amax(dim=(0, 2, 3))  # per head: every product, masks or not
+    got = probes.sdpa_logit_max(q, k)
+    assert got.shape == (4,)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    # chunked over query rows (5 rows of 2 x 4 heads x 10 keys), explicit scale
+    got = probes.sdpa_logit_max(q, k, scale=0.5, chunk_elements=64)
+    torch.testing.assert_close(got, (full * math.sqrt(8) * 0.5).abs().amax(dim=(0, 2, 3)))
+    # grouped-query attention: 2 key heads serve 4 query heads, in order
     k2 = torch.randn(2, 2, 10, 8)
     expanded = k2.repeat_interleave(2, dim=1)
-    want = (q @ expanded.transpose(-1, -2) / math.sqrt(8)).abs().amax()
-    assert float(probes.sdpa_logit_max(q, k2)) == pytest.approx(float(want))
+    want = (q @ expanded.transpose(-1, -2) / math.sqrt(8)).abs().amax(dim=(0, 2, 3))
+    torch.testing.assert_close(probes.sdpa_logit_max(q, k2), want)
+    # 2-D queries: one head
+    assert probes.sdpa_logit_max(q[0, 0], k[0, 0]).shape == (1,)
+
+
+def test_head_abs_max_reads_heads_from_either_layout() -> None:
+    s = torch.randn(3, 4, 5, 5)  # (batch, heads, queries, keys)
+    want = s.abs().amax(dim=(0, 2, 3))
+    torch.testing.assert_close(probes.head_abs_max(s, 4), want)
+    torch.testing.assert_close(probes.head_abs_max(s.reshape(12, 5, 5), 4), want)  # batch*heads
+    # a layout that does not split into heads: every head gets the overall max
+    assert probes.head_abs_max(torch.tensor([[-7.0, 2.0]]).expand(5, 1, 2), 2).tolist() == [7, 7]
 
 
 def test_abs_max_in_float32() -> None:

@@ -19,7 +19,6 @@ from .attention import find_attention
 from .model_map import (
     Anchor,
     Attention,
-    AttentionImpl,
     EpsPlacement,
     ModelMap,
     NormLayer,
@@ -200,7 +199,7 @@ class _Builder:
         found_norms = self._norms()
         attention = find_attention(g) if g is not None else {}
         self.add_where = [self._add_where(a) for a in adds]
-        roles, add_norms = self._roles(found_norms, adds, attention)
+        roles, add_norms = self._roles(found_norms, adds)
         norms = [
             NormLayer(**fields, role=roles.get(fields["path"], "other"), **self._where(path))
             for path, fields in found_norms.items()
@@ -218,7 +217,10 @@ class _Builder:
             norms=norms,
             stacks=map_stacks,
             residual_adds=residual_adds,
-            attention=[Attention(p, impl, **self._where(p)) for p, impl in attention.items()],
+            attention=[
+                Attention(p, impl, heads=heads, **self._where(p))
+                for p, (impl, heads) in attention.items()
+            ],
             head=self._head(),
             traced=g is not None,
             trace_ms=self.trace_ms if g is not None else 0.0,
@@ -331,7 +333,6 @@ class _Builder:
         self,
         found_norms: dict[str, dict[str, Any]],
         adds: list[FoundAdd],
-        attention: dict[str, AttentionImpl],
     ) -> tuple[dict[str, NormRole], dict[int, dict[str, str]]]:
         """Each norm's role from the dataflow around the residual adds, never from the kind of
         shortcut or where the norm module sits."""

@@ -172,12 +172,14 @@ class ResidualAdd:
 @dataclass(frozen=True)
 class Attention:
     """A module computing softmax(QK^T): itself (``eager``), by fused ``sdpa``, or as torch's
-    ``nn.MultiheadAttention`` (``mha``)."""
+    ``nn.MultiheadAttention`` (``mha``), with ``heads`` query heads (1 where the logits' layout
+    does not show them)."""
 
     path: str
     impl: AttentionImpl
     stack: str | None = None
     block: int | None = None
+    heads: int = 1
 
 
 @dataclass
@@ -302,7 +304,8 @@ def render(m: ModelMap) -> str:
         lines.append("  (unknown: pass example inputs to discover)")
     if m.attention:
         lines.append(f"Attention ({len(m.attention)})")
-        lines += table(("path", "impl"), [(_name(a.path), a.impl) for a in m.attention])
+        rows = [(_name(a.path), a.impl, str(a.heads)) for a in m.attention]
+        lines += table(("path", "impl", "heads"), rows)
     lines.append(f"Head: {_name(m.head)}")
     lines += [f"Note: {note}" for note in m.notes]
     return "\n".join(lines)

@@ -214,6 +214,7 @@ class Graph:
     add_order: dict[int, int] = field(default_factory=dict)
     softmaxes: list[int] = field(default_factory=list)
     sdpa_calls: list[int | None] = field(default_factory=list)  # call of each sdpa op
+    sdpa_queries: list[tuple[int, ...]] = field(default_factory=list)  # its query's shape
     calls: list[Call] = field(default_factory=list)
     # first module boundary where a node's value is seen: node -> (sequence, hook, call id, key)
     boundary: dict[int, tuple[int, str, int, Key]] = field(default_factory=dict)
@@ -480,6 +481,8 @@ class _Recorder(TorchFunctionMode):
                 self.extent_adds[cid] = self.extent_adds.get(cid, 0) + 1
         if name in SDPA_OPS:
             g.sdpa_calls.append(self.stack[-1] if self.stack else None)
+            query = args[0] if args else kwargs.get("query")
+            g.sdpa_queries.append(tuple(query.shape) if isinstance(query, torch.Tensor) else ())
         return out
 
     def _weights(

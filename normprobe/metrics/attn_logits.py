@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
+
+from .. import tags
 from .base import Family, Flag, Out, Plan, Run, RunTag, Series, Slot, Values
 from .logits import blow_up
 
@@ -11,12 +14,16 @@ from .logits import blow_up
 LIMIT = 50.0
 
 
+def _put_max(plan: Plan, slot: Slot, per_head: torch.Tensor) -> None:
+    plan.measured.put_max(slot, per_head.amax())
+
+
 class AttnLogits(Family):
     name = "attn_logits"
     description = (
         "per attention module, max |q.k| * scale as the model forms it from q and k "
-        "(soft-capping included, additive masks and biases left out), also when attention is "
-        "fused (scaled_dot_product_attention) or an nn.MultiheadAttention"
+        "(soft-capping included, masks and biases left out: every product counts), also when "
+        "attention is fused (scaled_dot_product_attention) or an nn.MultiheadAttention"
     )
     series = (Series("attn_logit_max", "module", "max"),)  # the worst module of the stack
 
@@ -24,7 +31,7 @@ class AttnLogits(Family):
         slots: list[tuple[str, Slot]] = []
         for a in plan.attention:
             slot = plan.slot(1, "max")
-            plan.read_attention(a.path, partial(plan.measured.put_max, slot))
+            plan.read_attention(a.path, partial(_put_max, plan, slot))
             slots.append((plan.module_tag(a.path), slot))
 
         def record(values: Values, out: Out) -> None:
@@ -46,6 +53,8 @@ class AttnLogits(Family):
                 worst[t.stack] = (hit[1], t, hit)
         for stack in sorted(worst):
             _, t, (step, value, why) = worst[stack]
+            heads = dict(run.scalars.get(tags.prefix("attn_head_argmax") + t.module, []))
+            head = f" (head {heads[step]:.0f})" if step in heads else ""
             found.append(
                 Flag(
                     "logit blow-up",
@@ -53,7 +62,7 @@ class AttnLogits(Family):
                     step,
                     value,
                     LIMIT,
-                    f"attention logits max |q.k|*scale of {t.module} is {why}: attention "
+                    f"attention logits max |q.k|*scale of {t.module}{head} is {why}: attention "
                     "saturates toward one-hot; normalize queries and keys in the model's "
                     "attention (QK-norm: a LayerNorm or RMSNorm over each head's q and k), "
                     "soft-cap the logits, or lower the learning rate",

@@ -23,8 +23,10 @@ from ..tags import format as format_tag
 
 Reduce = Literal["mean", "rms", "max", "min", "sum"]
 Reader = Callable[[torch.Tensor], None]
+Side = Literal["input", "output"]  # which gradients of a module: w.r.t. its inputs or outputs
+GradientReader = Callable[[int, Side, torch.Tensor], None]
 # how `report` turns a series into one number per step and stack
-RowReduce = Literal["last", "deep", "mean", "max", "value"]
+RowReduce = Literal["last", "deep", "mean", "max", "value", "none"]
 Shape = Literal["block", "stack", "module", "model"]
 
 
@@ -37,12 +39,14 @@ class Series:
         shape: ``block`` (``<stack>/<block>``), ``stack`` (``<stack>``), ``module``
             (``<stack>/<block>.<layer>`` or a path) or ``model`` (a statistic's name).
         row: how `report` reduces it to one value per step and stack: the ``last`` block,
-            the ``deep`` half's mean, the ``mean`` or ``max`` over blocks or modules, or the
-            one ``value``.
+            the ``deep`` half's mean, the ``mean`` or ``max`` over blocks or modules, the
+            one ``value``, or ``none``: no row (an index, or a value another row shows).
         first_block: per-block series: the first block that has a value (``resid_cos``: 1,
             block 0 has no predecessor).
         scale: how its depth heatmap colours values: ``log`` for norms and ratios, ``linear``
             for values near one another (cosines).
+        heads: per-module series: a vector of one value per attention head (`Out.vector`),
+            drawn as a heads x blocks heatmap per stack.
     """
 
     name: str
@@ -50,6 +54,7 @@ class Series:
     row: RowReduce = "value"
     first_block: int = 0
     scale: Literal["log", "linear"] = "log"
+    heads: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,10 +109,17 @@ class Plan(Protocol):
         """Hand ``action`` the result of the ``index``-th tensor add inside ``module``."""
 
     def read_attention(self, module: str, action: Reader) -> None:
-        """Hand ``action`` the max |attention logit| of each attention product in ``module``."""
+        """Hand ``action`` the max |attention logit| of each head (a vector of ``heads`` values,
+        `Attention.heads`) for each attention product in ``module``."""
 
     def read_outputs(self, action: Callable[[int, Any], None]) -> None:
         """Hand ``action(index, output)`` every module's output (index: in ``modules()``)."""
+
+    def read_gradients(self, action: GradientReader) -> None:
+        """Hand ``action(index, side, grad)`` every module's gradients in the backward of a logged
+        forward (index: in ``modules()``), as they become complete: the accumulated gradient of
+        each tensor it was called with (``input``), that of each tensor it returned (``output``).
+        Not on compiled models (`compiled`): tensor hooks would break their graph."""
 
     def at_forward_start(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` when a logged forward starts: a step's last forward is the one that counts."""
@@ -182,8 +194,8 @@ class Flag:
 
     Attributes:
         kind: ``residual growth``, ``representation collapse``, ``nan onset``,
-            ``batchnorm drift``, ``logit blow-up``, ``top-heavy gradients`` or
-            ``bottom-heavy gradients``.
+            ``nan onset in backward``, ``batchnorm drift``, ``logit blow-up``,
+            ``top-heavy gradients`` or ``bottom-heavy gradients``.
         stack: the stack (or ``"model"``) it concerns.
         step: the logged step the evidence comes from.
         value: the measured value that crossed ``threshold``.

@@ -67,7 +67,8 @@ class Site:
     pre: list[Read] = field(default_factory=list)
     post: list[Read] = field(default_factory=list)
     inside: dict[int, dict[int, Reader]] = field(default_factory=dict)  # call -> add -> reader
-    attention: list[Reader] = field(default_factory=list)
+    attention: list[Reader] = field(default_factory=list)  # each gets the per-head max |logit|
+    heads: int = 1  # of the attention module here
 
 
 class Hooks:
@@ -116,8 +117,8 @@ class Hooks:
             modes: list[TorchFunctionMode] = []
             if site.inside.get(call):
                 modes.append(AddCounter(site.inside[call]))
-            for action in site.attention:
-                modes.append(AttentionLogits(action))
+            if site.attention:
+                modes.append(AttentionLogits(site.attention, site.heads))
             for mode in modes:
                 mode.__enter__()  # type: ignore[no-untyped-call]
             if modes:

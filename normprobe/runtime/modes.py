@@ -56,8 +56,9 @@ _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
 class AttentionLogits(TorchFunctionMode):
-    """Active inside one attention module on logged steps: max |logit| as the module forms its
-    logits from q and k, additive masks and biases left out.
+    """Active inside one attention module on logged steps: max |logit| of each of its ``heads``
+    heads as the module forms its logits from q and k, masks and biases left out; each action
+    gets the vector of per-head maxima.
 
     Eager attention: each product of a matmul of two tensors is followed through `LOGIT_OPS`;
     its max |.| is taken where a mask or bias first meets it (at the softmax if none does),
@@ -66,10 +67,15 @@ class AttentionLogits(TorchFunctionMode):
     input and in-projection weights (`probes.mha_logit_max`).
     """
 
-    def __init__(self, action: Callable[[torch.Tensor], None]) -> None:
+    def __init__(self, actions: Sequence[Callable[[torch.Tensor], None]], heads: int) -> None:
         super().__init__()
-        self.action = action
+        self.actions = actions
+        self.heads = heads
         self.logits: dict[int, _Logits] = {}  # by id of the tensor
+
+    def found(self, per_head: torch.Tensor) -> None:
+        for action in self.actions:
+            action(per_head)
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
@@ -77,26 +83,20 @@ class AttentionLogits(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in SDPA_OPS and len(args) >= 2:
-            self.action(
-                probes.sdpa_logit_max(
-                    args[0],
-                    args[1],
-                    attn_mask=kwargs.get("attn_mask", args[3] if len(args) > 3 else None),
-                    is_causal=bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False)),
-                    scale=kwargs.get("scale", args[6] if len(args) > 6 else None),
-                )
-            )
+            scale = kwargs.get("scale", args[6] if len(args) > 6 else None)
+            self.found(probes.sdpa_logit_max(args[0], args[1], scale=scale, heads=self.heads))
         elif name == "multi_head_attention_forward":
-            self.action(_mha_logit_max(args, kwargs))
+            self.found(_mha_logit_max(args, kwargs))
         found = self._find(args, kwargs) if self.logits else None
         best: torch.Tensor | None = None
         factor: torch.Tensor | float = 1.0
         if found is not None:
             t, best, factor = found
             if best is None and (name in SOFTMAX_OPS or name in LOGIT_MASK_OPS):
-                best = probes.abs_max(t)  # before the op: an in-place mask overwrites t
+                # before the op: an in-place mask overwrites t
+                best = probes.head_abs_max(t, self.heads)
             if best is not None and name in SOFTMAX_OPS:
-                self.action(best * factor)
+                self.found(best * factor)
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor):
             return out

@@ -15,8 +15,9 @@ from torch import nn
 from .. import tags
 from ..common import is_writer, spread
 from ..discovery import Attention, DiscoveryWarning, ModelMap, NormLayer, Stack
-from ..metrics.base import Family, Measured, Out, Reader, Reduce, Slot, Values
+from ..metrics.base import Family, GradientReader, Measured, Out, Reader, Reduce, Slot, Values
 from ..sinks import Record
+from .backward import Gradients
 from .hooks import Hooks, ProbeHook, Read, Registration
 from .packing import Layout
 
@@ -66,6 +67,7 @@ class ProbePlan:
         self.norms: Sequence[NormLayer] = [n for n in model_map.norms if n.path in kept]
         kept = tagged_paths([a.path for a in model_map.attention], max_block_tags)
         self.attention: Sequence[Attention] = [a for a in model_map.attention if a.path in kept]
+        self._heads = {a.path: a.heads for a in model_map.attention}
         self.param_reduce = param_reduce
         self.compiled = compiled
         self.measured = measured
@@ -76,6 +78,7 @@ class ProbePlan:
         self.callbacks: dict[str, list[tuple[Family, Callback]]] = {e: [] for e in EVENTS}
         self.recorders: list[tuple[Family, Recorder]] = []
         self.outputs: list[Callable[[int, Any], None]] = []
+        self.gradients = Gradients()
         self.empty: list[Family] = []  # families that found nothing to read
         self._placements_written = False
         self._block_tags: dict[tuple[str, str], tuple[str, list[tuple[int, str]]]] = {}
@@ -116,10 +119,20 @@ class ProbePlan:
         self.hooks.at(module).inside.setdefault(call, {})[index] = action
 
     def read_attention(self, module: str, action: Reader) -> None:
-        self.hooks.at(module).attention.append(action)
+        site = self.hooks.at(module)
+        site.attention.append(action)
+        site.heads = self._heads[module]
 
     def read_outputs(self, action: Callable[[int, Any], None]) -> None:
         self.outputs.append(action)
+
+    def read_gradients(self, action: GradientReader) -> None:
+        if self.compiled:
+            return  # a tensor hook registered inside a compiled graph breaks it
+        if not self.gradients.actions:
+            self._on("forward_start", self.gradients.start)
+            self._on("clear", self.gradients.stop)
+        self.gradients.actions.append(action)
 
     def at_forward_start(self, fn: Callback) -> None:
         self._on("forward_start", fn)
@@ -178,7 +191,7 @@ class ProbePlan:
                         m.register_forward_hook, ProbeHook(_output_reader(index, action, recording))
                     )
                 )
-        return plan
+        return plan + self.gradients.registrations(list(self.model.modules()), recording)
 
     def record(self, values: Values, step: int, writes: bool) -> Record:
         out = RecordOut(Record(step), writes, self)
