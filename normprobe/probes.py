@@ -400,8 +400,8 @@ def loglog_slope(values: Sequence[float]) -> float:
 
 
 def outlier_stats(x: torch.Tensor) -> torch.Tensor:
-    """(max |x| / median |x|, the channel holding that max, the kurtosis of the channels' RMS)
-    of an activation, as float32; channels lie along `feature_dim`.
+    """(max |x| / median nonzero |x|, the channel holding that max, the kurtosis of the
+    channels' RMS) of an activation, as float32; channels lie along `feature_dim`.
 
     The median is over the nonzero entries (exact zeros, a ReLU's, are sparsity rather than
     magnitude; a transformer's stream has none) and is torch's, the lower middle value of an

@@ -5,7 +5,6 @@ MuonClip's factors from them."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +26,14 @@ TOKENS = 12
 class Scores(TorchFunctionMode):
     """Records the attention logits a model materializes: ``q @ k^T`` of every 4-D matmul whose
     product is (..., tokens, tokens), and the q·k of every fused attention call, each times
-    ``scale_of(...)`` as the model scales them."""
+    ``scale`` (what the model multiplies q·k by)."""
 
-    def __init__(self, scale: Callable[[torch.Tensor], float]) -> None:
+    def __init__(self, scale: float) -> None:
         super().__init__()
         self.scale = scale
         self.logits: list[torch.Tensor] = []
 
-    def __torch_function__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             q, k = args[0].detach().double(), args[1].detach().double()
@@ -44,10 +41,10 @@ class Scores(TorchFunctionMode):
             scale = kwargs.get("scale") or 1 / math.sqrt(q.shape[-1])
             self.logits.append(q @ k.transpose(-1, -2) * scale)
         out = func(*args, **kwargs)
-        if func in (torch.matmul, torch.Tensor.__matmul__) and out.ndim == 4:
-            if out.shape[-2:] == (TOKENS, TOKENS):
-                q, k = args[0].detach().double(), args[1].detach().double()
-                self.logits.append(q @ k * self.scale(q))
+        matmul = func in (torch.matmul, torch.Tensor.__matmul__)
+        if matmul and out.ndim == 4 and out.shape[-2:] == (TOKENS, TOKENS):
+            q, k = args[0].detach().double(), args[1].detach().double()
+            self.logits.append(q @ k * self.scale)
         return out
 
 
@@ -95,7 +92,7 @@ def test_llama_heads_equal_the_materialized_logits_eager_and_sdpa(tmp_path: Path
     for attn in ("eager", "sdpa"):
         model = llama(attn)
         scaling = model.model.layers[0].self_attn.scaling
-        scores = Scores(lambda q: scaling)
+        scores = Scores(scaling)
         with torch.no_grad(), scores:
             model(**ids)
         want = [per_head(s) for s in scores.logits]
@@ -134,7 +131,7 @@ def test_gemma2_heads_are_soft_capped_as_the_model_caps_them(tmp_path: Path) -> 
             layer.self_attn.k_proj.weight.mul_(10.0)
     ids = {"input_ids": torch.randint(0, 64, (1, TOKENS))}
     scaling = model.model.layers[0].self_attn.scaling
-    scores = Scores(lambda q: scaling)
+    scores = Scores(scaling)
     with torch.no_grad(), scores:
         model(**ids)
     raw = [per_head(s) for s in scores.logits]
@@ -191,20 +188,26 @@ def test_tags_argmax_head_and_muonclip_factors(tmp_path: Path) -> None:
 
 def test_muonclip_factors_need_the_family_and_a_logged_step(tmp_path: Path) -> None:
     model = TinyTransformer(width=16, depth=2, heads=2, context=TOKENS)
-    with normprobe.attach(model, log_dir=str(tmp_path), metrics=["attn_logits_head"]) as probe:
-        with pytest.raises(RuntimeError, match="has not logged a step"):
-            normprobe.qk_clip_factors(probe)
-    with normprobe.attach(model, log_dir=str(tmp_path), metrics=["grad_norm"]) as probe:
-        with pytest.raises(ValueError, match="does not log 'attn_logits_head'"):
-            normprobe.qk_clip_factors(probe)
+    with (
+        normprobe.attach(model, log_dir=str(tmp_path), metrics=["attn_logits_head"]) as probe,
+        pytest.raises(RuntimeError, match="has not logged a step"),
+    ):
+        normprobe.qk_clip_factors(probe)
+    with (
+        normprobe.attach(model, log_dir=str(tmp_path), metrics=["grad_norm"]) as probe,
+        pytest.raises(ValueError, match="does not log 'attn_logits_head'"),
+    ):
+        normprobe.qk_clip_factors(probe)
 
 
 def test_a_model_without_attention_says_so_once(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-    with pytest.warns(normprobe.DiscoveryWarning, match=r"no attention modules \(attn_logits_head"):
-        with normprobe.attach(model, log_dir=str(tmp_path), metrics=["attn_logits_head"]) as probe:
-            model(torch.randn(2, 4))
-            probe.step()
+    with (
+        pytest.warns(normprobe.DiscoveryWarning, match=r"no attention modules \(attn_logits_head"),
+        normprobe.attach(model, log_dir=str(tmp_path), metrics=["attn_logits_head"]) as probe,
+    ):
+        model(torch.randn(2, 4))
+        probe.step()
     assert probe.latest is None or not probe.latest.profiles
 
 

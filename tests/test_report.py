@@ -310,17 +310,21 @@ def test_png_of_depth_profiles(tmp_path: Path, lm_run: Path) -> None:
     with Image.open(out) as image:
         image.load()
         assert image.format == "PNG"
-        # one panel per per-block series (five), two columns
-        assert image.size == rp.png_size(5) == (2 * rp.PANEL_SIZE[0], 3 * rp.PANEL_SIZE[1])
+        # one panel per per-block series, two columns
+        panels = len(rep.profiles)
+        rows = -(-panels // 2)
+        assert image.size == rp.png_size(panels) == (2 * rp.PANEL_SIZE[0], rows * rp.PANEL_SIZE[1])
         pixels = np.asarray(image.convert("RGB")).astype(int)
     (w, h), latest = rp.PANEL_SIZE, plots.ramp(4, 5)  # the last step's line, darkest
-    cells = [pixels[r * h : (r + 1) * h, c * w : (c + 1) * w] for r in range(3) for c in range(2)]
+    cells = [
+        pixels[r * h : (r + 1) * h, c * w : (c + 1) * w] for r in range(rows) for c in range(2)
+    ]
     drawn = [(cell != 255).any(axis=2).mean() for cell in cells]
     darkest = [(np.abs(cell - latest).sum(axis=2) <= 24).sum() for cell in cells]
-    # five panels, each with the last step's line (its legend entry alone is ~70 pixels); the
-    # sixth cell of the grid stays blank
-    assert all(d > 0.05 for d in drawn[:5]) and drawn[5] < 0.005, drawn
-    assert all(n > 200 for n in darkest[:5]), darkest
+    # every panel has the last step's line (its legend entry alone is ~70 pixels); a cell left
+    # over in the grid stays blank
+    assert all(d > 0.05 for d in drawn[:panels]) and all(d < 0.005 for d in drawn[panels:]), drawn
+    assert all(n > 200 for n in darkest[:panels]), darkest
 
 
 # --- the command line and bad input -----------------------------------------------------------

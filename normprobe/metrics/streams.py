@@ -1,5 +1,5 @@
 """The residual stream after each block, read once for the families that use it
-(``resid_rms``, ``resid_cos``)."""
+(``resid_rms``, ``resid_cos``, ``outliers``)."""
 
 from __future__ import annotations
 
@@ -28,11 +28,14 @@ class StreamRead:
 class Streams:
     """Reads the stream each block's last residual add leaves (after a Post-LN norm).
 
-    Get it with ``Streams.of(plan)``; ``reads[stack]`` holds a logged forward's reads.
+    Get it with ``Streams.of(plan)``; ``reads[stack]`` holds a logged forward's reads, and
+    each of ``watchers`` is called with (stack, block, stream) when a block's stream is read,
+    to reduce it there and then.
     """
 
     def __init__(self, plan: Plan) -> None:
         self.cosines = False
+        self.watchers: list[Callable[[str, int, torch.Tensor], None]] = []
         self.reads: dict[str, list[StreamRead]] = {}
         self.blocks: dict[str, list[int]] = {}  # the blocks read, per stack
         self._prev: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
@@ -77,6 +80,8 @@ class Streams:
             t = t.detach()
             here = StreamRead(block, t.numel(), probes.row_norms(t))
             reads.append(here)
+            for watch in self.watchers:
+                watch(stack, block, t)
             if not self.cosines:
                 return
             prev = self._prev.get(stack)

@@ -1,0 +1,131 @@
+"""``outliers``: massive activations and outlier features in the residual stream."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import probes
+from .base import SUSTAIN, Family, Flag, Out, Plan, Run, Series, Values, sustained
+from .streams import Streams
+
+# Sun et al. 2024 ("Massive Activations in Large Language Models") call an activation massive
+# when it is about 1000x the median magnitude of its hidden state, and find 1000x-10000x in
+# trained LLMs. A tenth of that flags them while they form: a Gaussian stream of a million
+# entries reads about 8, and TinyTransformer, GPT-2 and timm's ResNet-18 at init under 7.
+RATIO_LIMIT = 100.0
+
+
+class Outliers(Family):
+    name = "outliers"
+    requires = "no residual adds in a stack of blocks"
+    description = (
+        "per block, of the residual stream it leaves (as resid_rms reads it): the largest "
+        "|activation| over the median nonzero |activation| (massive activations), the channel "
+        "holding that largest one, and the kurtosis of the channels' RMS, mean(s^4) / "
+        "mean(s^2)^2 with s_j the RMS of channel j over all positions (outlier features: 1 when "
+        "every channel has the same RMS, the number of channels when one holds everything); "
+        "over ranks, the largest ratio, the channel when every rank finds it in the same one, "
+        "the mean kurtosis"
+    )
+    series = (
+        Series("outlier_ratio", "block", "max"),  # the worst block
+        Series("outlier_channel", "block", "last", scale="linear"),  # in the stream leaving
+        Series("outlier_kurtosis", "block", "max"),
+    )
+
+    def plan(self, plan: Plan) -> None:
+        streams = Streams.of(plan)
+        depth = {s.path: s.depth for s in plan.model_map.stacks}
+        # per stack: the ratio; the channel's lowest and highest over ranks (equal when every
+        # rank found the largest activation in the same channel); the kurtosis
+        slots = {
+            stack: tuple(
+                plan.slot(depth[stack], reduce) for reduce in ("max", "min", "max", "mean")
+            )
+            for stack in streams.blocks
+        }
+        reads: dict[str, list[tuple[int, torch.Tensor]]] = {stack: [] for stack in slots}
+
+        def watch(stack: str, block: int, stream: torch.Tensor) -> None:
+            reads[stack].append((block, probes.outlier_stats(stream)))
+
+        def clear() -> None:
+            # in place: a compiled graph's guards see the same lists at every forward
+            for stack_reads in reads.values():
+                stack_reads.clear()
+
+        def finish() -> None:
+            for stack, stack_reads in reads.items():
+                if stack_reads:
+                    blocks = [b for b, _ in stack_reads]
+                    stats = torch.stack([s for _, s in stack_reads])  # (blocks, 3)
+                    positions = [slot.offset + b for slot in slots[stack] for b in blocks]
+                    plan.measured.put_at(positions, stats[:, [0, 1, 1, 2]].T.reshape(-1))
+
+        def record(values: Values, out: Out) -> None:
+            for stack, (ratio, channel_low, channel_high, kurtosis) in slots.items():
+                ratios = values.measured(ratio)
+                if not ratios:
+                    continue
+                out.per_block("outlier_ratio", stack, ratios)
+                high = values.measured(channel_high)
+                channels = {b: c for b, c in values.measured(channel_low).items() if high[b] == c}
+                out.per_block("outlier_channel", stack, channels)
+                out.per_block("outlier_kurtosis", stack, values.measured(kurtosis))
+
+        streams.watchers.append(watch)
+        plan.at_forward_start(clear)
+        plan.on_clear(clear)
+        plan.at_flush(finish)
+        plan.on_record(record)
+
+    def flags(self, run: Run) -> list[Flag]:
+        found = []
+        ratio_tags = [t for t in run.tags if t.parsed.series == "outlier_ratio"]
+        for stack in sorted({t.stack for t in ratio_tags}):
+            worst: dict[int, tuple[float, int]] = {}  # per logged step: the largest, its block
+            for t in ratio_tags:
+                if t.stack != stack:
+                    continue
+                for step, v in run.scalars[t.tag]:
+                    if math.isfinite(v) and (step not in worst or v > worst[step][0]):
+                        worst[step] = (v, t.parsed.block or 0)
+            points = [(s, worst[s][0]) for s in sorted(worst)]
+            hits = sustained(points, lambda v: v > RATIO_LIMIT)
+            if len(hits) < SUSTAIN:
+                continue
+            step, ratio = hits[-1]
+            block = worst[step][1]
+            channel = _channel(run, stack, block, step)
+            where = (
+                "a channel that differs across ranks" if channel is None else f"channel {channel}"
+            )
+            found.append(
+                Flag(
+                    "massive activations",
+                    stack,
+                    step,
+                    ratio,
+                    RATIO_LIMIT,
+                    f"block {block}'s stream holds an activation {ratio:.3g}x the median nonzero "
+                    f"|activation|, in {where} (> {RATIO_LIMIT:g} at {len(hits)} logged steps): "
+                    "a few huge values kept in fixed channels, which models grow as an attention "
+                    "sink or an implicit bias; they take up the range of int8/fp8 quantization, "
+                    "leaving every other value little precision. Give attention an explicit sink "
+                    "or bias (a learned sink token, attention biases), normalize queries and keys "
+                    "(QK-norm), or lower the learning rate; `normprobe report RUN_DIR --png "
+                    "depth.png` draws outlier_ratio and outlier_channel over the blocks",
+                )
+            )
+        return found
+
+
+def _channel(run: Run, stack: str, block: int, step: int) -> int | None:
+    """The channel the stack's block logged at ``step``, if it did."""
+    for t in run.tags:
+        if t.parsed.series == "outlier_channel" and t.stack == stack and t.parsed.block == block:
+            value = dict(run.scalars[t.tag]).get(step)
+            return None if value is None or not math.isfinite(value) else int(value)
+    return None

@@ -1,0 +1,228 @@
+"""The ``outliers`` family: ratio, channel and kurtosis against hand computations on the stream
+tensors themselves, healthy models at init, and the report's flag on a run built to have it."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import normprobe
+from normprobe import probes, tags
+from normprobe.metrics.outliers import RATIO_LIMIT
+from normprobe.models import ResidualStack, TinyTransformer
+
+BUMP = 10.0  # the massive activation injected: about 500x the median |x| of TinyTransformer
+BLOCK, CHANNEL, POSITION = 2, 7, 5
+
+
+def _inject(model: TinyTransformer) -> None:
+    """Add ``BUMP`` to one channel at one position of block ``BLOCK``'s MLP output, and take it
+    out again in the next block's: only block ``BLOCK``'s stream holds it."""
+
+    def bump(sign: float) -> Any:
+        def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+            extra = torch.zeros_like(out)
+            extra[0, POSITION, CHANNEL] = sign * BUMP
+            return out + extra
+
+        return hook
+
+    model.blocks[BLOCK].mlp.register_forward_hook(bump(1.0))
+    model.blocks[BLOCK + 1].mlp.register_forward_hook(bump(-1.0))
+
+
+def _hand_stats(stream: torch.Tensor) -> tuple[float, int, float]:
+    """(max |x| / median nonzero |x|, the max's channel, kurtosis of the channels' RMS) of a
+    (batch, positions, channels) stream, without `probes`."""
+    flat = stream.detach().double().abs().flatten()
+    nonzero = flat[flat > 0].sort().values
+    median = nonzero[(len(nonzero) - 1) // 2]  # torch's median: the lower middle value
+    channel = int(flat.argmax()) % stream.shape[-1]
+    rms = stream.detach().double().pow(2).mean(dim=(0, 1)).sqrt()
+    kurtosis = rms.pow(4).mean() / rms.pow(2).mean().pow(2)
+    return float(flat.max() / median), channel, float(kurtosis)
+
+
+def _logged(model: nn.Module, inputs: torch.Tensor) -> dict[str, list[float]]:
+    """The depth profiles of one logged forward of ``model`` (no optimizer)."""
+    sink = normprobe.MemorySink()
+    with normprobe.attach(model, sinks=[sink], metrics=["outliers"], every=1) as probe:
+        with torch.no_grad():
+            model(inputs)
+        probe.step()
+    return sink.records[0].profiles
+
+
+def test_finds_the_injected_block_and_channel() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer(depth=4, width=32, context=16)
+    _inject(model)
+    captured: list[torch.Tensor] = []
+    for block in model.blocks:  # a Pre-LN block's output is its last residual add's
+        block.register_forward_hook(lambda m, a, out: captured.append(out.detach().clone()))
+    profiles = _logged(model, torch.randint(0, 96, (4, 16)))
+    ratios = profiles[tags.format("outlier_ratio", "blocks")]
+    channels = profiles[tags.format("outlier_channel", "blocks")]
+    kurtoses = profiles[tags.format("outlier_kurtosis", "blocks")]
+    assert max(range(4), key=ratios.__getitem__) == BLOCK
+    assert channels[BLOCK] == CHANNEL
+    assert ratios[BLOCK] > RATIO_LIMIT > max(r for b, r in enumerate(ratios) if b != BLOCK)
+    for b, stream in enumerate(captured[-4:]):  # the logged forward's (discovery runs one)
+        ratio, channel, kurtosis = _hand_stats(stream)
+        assert ratios[b] == pytest.approx(ratio, rel=1e-5)
+        assert channels[b] == channel
+        assert kurtoses[b] == pytest.approx(kurtosis, rel=1e-5)
+
+
+def _one_loud_channel(shape: tuple[int, ...], dim: int, channel: int, k: float) -> torch.Tensor:
+    """Entries +-1 at random, those of ``channel`` along ``dim`` +-k."""
+    x = torch.randint(0, 2, shape).float() * 2 - 1
+    x.narrow(dim, channel, 1).mul_(k)
+    return x
+
+
+def _closed_form_kurtosis(channels: int, k: float) -> float:
+    """The channels' RMS are s = (1, ..., 1, k), d of them: mean(s^4) / mean(s^2)^2 =
+    ((d - 1 + k^4) / d) / ((d - 1 + k^2) / d)^2 = d (d - 1 + k^4) / (d - 1 + k^2)^2."""
+    d = channels
+    return d * (d - 1 + k**4) / (d - 1 + k**2) ** 2
+
+
+def test_kurtosis_of_one_loud_channel_has_its_closed_form() -> None:
+    torch.manual_seed(0)
+    model = ResidualStack(depth=2, width=8)
+    with torch.no_grad():  # zero branches: each block's stream is the input
+        for lin in model.lins:
+            lin.weight.zero_()
+            lin.bias.zero_()
+    x = _one_loud_channel((5, 8), -1, channel=3, k=4.0)
+    profiles = _logged(model, x)
+    expected = _closed_form_kurtosis(8, 4.0)  # 2104 / 529
+    assert profiles[tags.format("outlier_kurtosis", "lins")] == pytest.approx([expected] * 2)
+    # 35 of the 40 entries are +-1: the median |x| is 1 and the ratio is k
+    assert profiles[tags.format("outlier_ratio", "lins")] == pytest.approx([4.0, 4.0])
+    assert profiles[tags.format("outlier_channel", "lins")] == [3.0, 3.0]
+
+
+def test_image_channels_lie_along_dim_1() -> None:
+    torch.manual_seed(0)
+    x = _one_loud_channel((2, 6, 5, 5), 1, channel=4, k=3.0)
+    ratio, channel, kurtosis = probes.outlier_stats(x).tolist()
+    assert (ratio, channel) == (pytest.approx(3.0), 4.0)
+    assert kurtosis == pytest.approx(_closed_form_kurtosis(6, 3.0))
+
+
+def test_zeros_are_left_out_of_the_median() -> None:
+    # a ReLU's zeros are sparsity, not magnitude: the median is of 1, 2, 3 and 8
+    x = torch.tensor([[0.0, 0.0, 0.0, 1.0, 2.0, 3.0, 8.0, 0.0]])
+    ratio, channel, _ = probes.outlier_stats(x).tolist()
+    assert (ratio, channel) == (4.0, 6.0)
+    assert math.isnan(probes.outlier_stats(torch.zeros(2, 3))[0])
+
+
+def test_the_last_forward_of_a_step_counts() -> None:
+    model = ResidualStack(depth=2, width=8)
+    with torch.no_grad():
+        for lin in model.lins:
+            lin.weight.zero_()
+            lin.bias.zero_()
+    sink = normprobe.MemorySink()
+    with normprobe.attach(model, sinks=[sink], metrics=["outliers"], every=1) as probe:
+        model(_one_loud_channel((5, 8), -1, channel=1, k=4.0))
+        model(_one_loud_channel((5, 8), -1, channel=6, k=2.0))
+        probe.step()
+    profiles = sink.records[0].profiles
+    assert profiles[tags.format("outlier_channel", "lins")] == [6.0, 6.0]
+    assert profiles[tags.format("outlier_ratio", "lins")] == pytest.approx([2.0, 2.0])
+
+
+def test_not_chosen_costs_no_reduction(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[torch.Tensor] = []
+
+    def counted(t: torch.Tensor) -> torch.Tensor:
+        calls.append(t)
+        return torch.zeros(3)
+
+    monkeypatch.setattr(probes, "outlier_stats", counted)
+    model = ResidualStack(depth=2, width=8)
+    sink = normprobe.MemorySink()
+    with normprobe.attach(model, sinks=[sink], metrics=["resid_rms"], every=1) as probe:
+        model(torch.randn(5, 8))
+        probe.step()
+    assert tags.format("resid_rms", "lins", 1) in sink.records[0].scalars
+    assert calls == []
+    with normprobe.attach(model, sinks=[sink], metrics=["outliers"], every=1) as probe:
+        model(torch.randn(5, 8))
+        probe.step()
+    assert len(calls) == 2  # the patch is the one the family calls
+
+
+def _gpt2() -> tuple[nn.Module, torch.Tensor]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=4, n_head=4)
+    return GPT2LMHeadModel(config).eval(), torch.randint(0, 128, (4, 64))
+
+
+def _resnet() -> tuple[nn.Module, torch.Tensor]:
+    import timm
+
+    # zero-initialized last norms: at init each block's stream is its ReLU'd input, half zeros
+    model = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    return model.eval(), torch.randn(2, 3, 64, 64)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("build", ["tiny", "gpt2", "resnet18"])
+def test_healthy_models_at_init_stay_below_the_flag(build: str) -> None:
+    torch.manual_seed(0)
+    if build == "tiny":
+        model: nn.Module = TinyTransformer()
+        inputs = torch.randint(0, 96, (8, 64))
+    else:
+        model, inputs = _gpt2() if build == "gpt2" else _resnet()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' notes on a tiny vocabulary
+        profiles = _logged(model, inputs)
+    ratios = [v for tag, vs in profiles.items() if "/outlier_ratio/" in tag for v in vs]
+    assert len(ratios) >= 4 and all(math.isfinite(r) for r in ratios)
+    assert max(ratios) < RATIO_LIMIT / 10  # Gaussian-like streams read under 10
+    kurtoses = [v for tag, vs in profiles.items() if "/outlier_kurtosis/" in tag for v in vs]
+    assert len(kurtoses) == len(ratios) and all(k >= 1.0 for k in kurtoses)
+
+
+def _train(log_dir: Path, inject: bool) -> Path:
+    torch.manual_seed(0)
+    model = TinyTransformer(depth=4, width=32, context=16)
+    if inject:
+        _inject(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with normprobe.attach(
+        model, optimizer=opt, log_dir=str(log_dir), every=1, metrics=["outliers"]
+    ):
+        for _ in range(3):
+            x = torch.randint(0, 96, (4, 16))
+            model.loss(x, x).backward()
+            opt.step()
+            opt.zero_grad()
+    return log_dir
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_report_flags_massive_activations_naming_block_and_channel(tmp_path: Path) -> None:
+    report = normprobe.report_run(_train(tmp_path / "bad", inject=True))
+    (flag,) = [f for f in report.flags if f.kind == "massive activations"]
+    assert (flag.stack, flag.step, flag.threshold) == ("blocks", 2, RATIO_LIMIT)
+    assert flag.value > RATIO_LIMIT
+    assert f"block {BLOCK}'s stream" in flag.message and f"channel {CHANNEL}" in flag.message
+    assert report.row("blocks", "outlier_ratio[max]").values[-1] == pytest.approx(flag.value)
+
+    healthy = normprobe.report_run(_train(tmp_path / "good", inject=False))
+    assert healthy.row("blocks", "outlier_ratio[max]").max < RATIO_LIMIT / 10
+    assert not [f for f in healthy.flags if f.kind == "massive activations"]
