@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from . import tags
 from .corpus import CharBatches, CharCorpus
+from .dashboard import dashboard_url
 from .init import reinit
 from .models import TinyTransformer
 from .surgery import convert_norms
@@ -143,6 +144,8 @@ def summary(results: list[Result], log_dir: str) -> str:
         "top: > 1); resid growth = residual-stream RMS after the last block / after the first.",
         "",
         f"See every panel with:  tensorboard --logdir {log_dir}",
+        "then open (Time Series, the summary pinned first):",
+        dashboard_url(log_dir),
     ]
     return "\n".join(lines)
 

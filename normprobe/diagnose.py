@@ -5,7 +5,20 @@ step (gradient ratios, residual growth, attention logits), plus a few measuremen
 (batch sizes at BatchNorm layers, each norm class rerun in float16/bfloat16, the second moment
 through Linear→ReLU chains, weight spreads). The model is left as it was found.
 
-The command line: ``normprobe diagnose module:function`` (see `add_cli`).
+The command line: ``normprobe diagnose module:function`` (see `add_cli`). With ``--json`` it
+prints one JSON document (`Diagnosis.to_dict`) instead of the report:
+
+* ``schema``: ``"normprobe.diagnose/1"``; a change that breaks readers changes the number;
+* ``model``: the model's class name; ``loss``: the loss the backward ran from;
+* ``findings``: ``{"code", "title", "evidence", "suggestion", "paths"}``, in the order of
+  `CHECKS` (``evidence``: lines of measured numbers; ``paths``: the module paths concerned);
+* ``checks``: per code of `CHECKS`, ``{"status", "reason"}``: status ``ok``, ``found`` or
+  ``n/a``, with why it does not apply as the reason (else ``null``);
+* ``measurements``: tag -> number, the probe's ``normprobe/...`` scalars of the step and the
+  checks' own ``diagnose/...`` values.
+
+Non-finite numbers are ``null``. Exit status as without ``--json``; on bad input (2) nothing is
+printed to stdout, the error goes to stderr.
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ from .discovery.table import collapse_indices
 from .discovery.trace import iter_tensors, replace_at
 from .init import branch_scales, is_weight_layer, out_in_view
 from .metrics import attn_logits, grad_norm, resid_rms
+from .report import dumps, json_number
 from .runtime import Probe
 
 # --- thresholds ---------------------------------------------------------------------------------
@@ -85,6 +99,9 @@ CHECKS: dict[str, str] = {
     "relu-init": "Linear→ReLU layers not initialized for ReLU",
     "no-residual-scaling": "no residual-projection scaling on a deep Pre-LN stack",
 }
+
+# the ``schema`` of ``normprobe diagnose --json``
+DIAGNOSE_SCHEMA = "normprobe.diagnose/1"
 
 Batch = torch.Tensor | tuple[Any, ...] | list[Any] | dict[str, Any]
 LossFn = Callable[[Any], torch.Tensor]
@@ -164,6 +181,30 @@ class Diagnosis:
         if na:
             lines += textwrap.wrap("Not applicable: " + "; ".join(na), 100, subsequent_indent="  ")
         return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` document (`DIAGNOSE_SCHEMA`; keys in the module's docstring)."""
+        checks = {}
+        for code, state in self.checks.items():
+            status, _, reason = state.partition(": ")
+            checks[code] = {"status": status, "reason": reason or None}
+        return {
+            "schema": DIAGNOSE_SCHEMA,
+            "model": self.model_type,
+            "loss": json_number(self.loss),
+            "findings": [
+                {
+                    "code": f.code,
+                    "title": f.title,
+                    "evidence": list(f.evidence),
+                    "suggestion": f.suggestion,
+                    "paths": list(f.paths),
+                }
+                for f in self.findings
+            ],
+            "checks": checks,
+            "measurements": {tag: json_number(v) for tag, v in self.measurements.items()},
+        }
 
 
 # --- the one step ---------------------------------------------------------------------------------
@@ -916,7 +957,8 @@ _EPILOG = """\
 ENTRY names a function, module:function, returning (model, batch) or (model, batch, loss_fn);
 batch is what diagnose() takes: a tensor, a tuple of positional inputs or a dict of keyword
 inputs. Exit status: 0 no finding, 1 findings, 2 bad input (entry not found, wrong return
-value, the model failing on the batch).
+value, the model failing on the batch). --json prints the report as JSON (schema
+normprobe.diagnose/1: model, loss, findings, checks, measurements).
 """
 
 
@@ -955,6 +997,11 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         "--eval",
         action="store_true",
         help="run the step in the model's current mode instead of training mode",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help=f"print one JSON document ({DIAGNOSE_SCHEMA}) instead of the report",
     )
     parser.set_defaults(run=run_cli)
     return parser
@@ -1033,5 +1080,5 @@ def run_cli(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    print(result)
+    print(dumps(result.to_dict()) if args.json else result)
     return 1 if result.findings else 0

@@ -12,21 +12,45 @@ metrics logged per module (norms, attention, BatchNorm) too, per position within
 blocks. A value that was NaN is not in the event files (the probe skips it), so after a NaN
 onset rows end early and say so. Flags compare the run against the thresholds below.
 
+Given two or more run directories, ``normprobe report RUN_A RUN_B ...`` compares them instead
+(`normprobe.compare`).
+
 Exit status of ``normprobe report``: 0 when no run raised a flag, 1 when one did (so that a CI
-job can fail on it), 2 on bad input (a path that does not exist, no event files, no
-``normprobe/`` tags).
+job can fail on it; in a comparison, when any of the runs did), 2 on bad input (a path that does
+not exist, no event files, no ``normprobe/`` tags, a folder of several runs given to compare).
+
+``--json`` prints one JSON document instead of the table (`json.loads` reads it as it is):
+
+* ``schema``: ``"normprobe.report/1"``; a change that breaks readers changes the number.
+* ``runs``: one object per run reported (`RunReport.to_dict`):
+
+  - ``path``: the run's directory (or event file); ``event_files``: how many were read;
+  - ``steps``: ``{"first", "last", "count"}`` of the logged steps (``null`` first and last
+    when none); ``repeated_steps``: steps found in more than one event file;
+  - ``rows``: the table, ``{"stack", "metric", "first", "last", "min", "max", "trend",
+    "first_step", "last_step"}`` (``trend`` as in the table: ``flat``, ``up x3.2``...);
+  - ``flags``: ``{"kind", "stack", "step", "value", "threshold", "message"}``.
+
+* ``skipped``: folders below the path whose event files hold no ``normprobe/`` tag.
+
+Numbers are JSON numbers; a value that is not finite (NaN, ±Inf) is ``null``. On bad input
+(exit status 2) nothing is printed to stdout; the error goes to stderr. ``--png`` still draws
+the pictures; with ``--json`` the lines naming them go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import re
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from . import plots, tags
 from .common import spread
@@ -40,6 +64,8 @@ EVENT_GLOB = "events.out.tfevents.*"
 TREND_FLAT = 0.1
 # the prefix every normprobe tag starts with
 PREFIX = tags.PREFIX + "/"
+# the ``schema`` of ``normprobe report --json``
+REPORT_SCHEMA = "normprobe.report/1"
 
 # --- the depth-profile picture ---------------------------------------------------------------
 PANEL_SIZE = (480, 300)
@@ -155,10 +181,10 @@ class RunReport:
             (
                 t.stack,
                 t.metric,
-                _num(t.first),
-                _num(t.last),
-                _num(t.min),
-                _num(t.max),
+                format_number(t.first),
+                format_number(t.last),
+                format_number(t.min),
+                format_number(t.max),
                 t.trend if t.steps[-1] == last_step else f"{t.trend}, ends at step {t.steps[-1]}",
             )
             for t in self.trends
@@ -201,6 +227,72 @@ class RunReport:
             report("runs/a").write_png("runs/a/depth.png")
         """
         return _draw_profiles(self, Path(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The run as ``--json`` writes it: JSON-ready, non-finite numbers as None (see the
+        module's docstring for the keys)."""
+        return {
+            "path": self.run_dir,
+            "event_files": self.event_files,
+            "steps": span_dict(self.steps),
+            "repeated_steps": self.repeated_steps,
+            "rows": [
+                {
+                    "stack": t.stack,
+                    "metric": t.metric,
+                    "first": json_number(t.first),
+                    "last": json_number(t.last),
+                    "min": json_number(t.min),
+                    "max": json_number(t.max),
+                    "trend": t.trend,
+                    "first_step": t.steps[0],
+                    "last_step": t.steps[-1],
+                }
+                for t in self.trends
+            ],
+            "flags": [flag_dict(f) for f in self.flags],
+        }
+
+
+# --- JSON --------------------------------------------------------------------------------------
+def json_number(value: float | None) -> float | None:
+    """``value`` as JSON takes it: None for NaN and ±Inf (strict JSON has no such numbers)."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def span_dict(steps: Sequence[int]) -> dict[str, int | None]:
+    """``{"first", "last", "count"}`` of sorted steps (first and last None when empty)."""
+    return {
+        "first": steps[0] if steps else None,
+        "last": steps[-1] if steps else None,
+        "count": len(steps),
+    }
+
+
+def flag_dict(flag: Flag) -> dict[str, Any]:
+    """A flag as ``--json`` writes it."""
+    return {
+        "kind": flag.kind,
+        "stack": flag.stack,
+        "step": flag.step,
+        "value": json_number(flag.value),
+        "threshold": json_number(flag.threshold),
+        "message": flag.message,
+    }
+
+
+def report_document(reports: Sequence[RunReport], skipped: Sequence[Path] = ()) -> dict[str, Any]:
+    """What ``normprobe report --json`` prints for these runs (`REPORT_SCHEMA`)."""
+    return {
+        "schema": REPORT_SCHEMA,
+        "runs": [r.to_dict() for r in reports],
+        "skipped": [str(s) for s in skipped],
+    }
+
+
+def dumps(document: dict[str, Any]) -> str:
+    """A ``--json`` document as text; strict JSON (a NaN left in it raises ValueError)."""
+    return json.dumps(document, indent=2, allow_nan=False)
 
 
 # --- reading -----------------------------------------------------------------------------------
@@ -245,7 +337,7 @@ def report(run_dir: str | Path) -> RunReport:
         if any(f.kind == "nan onset" for f in rep.flags): ...
     """
     path = Path(run_dir)
-    runs = _runs_under(path)
+    runs = runs_under(path)
     if len(runs) > 1:
         listed = ", ".join(str(r) for r in runs[:8]) + (" ..." if len(runs) > 8 else "")
         raise ValueError(
@@ -377,7 +469,8 @@ def _reduce(kind: str, values: list[float]) -> float:
 def _rows(scalars: dict[str, Points]) -> list[Trend]:
     grouped: dict[tuple[str, str], list[RunTag]] = {}
     for p in run_tags(list(scalars)):
-        grouped.setdefault((p.stack, _label(p)), []).append(p)
+        if SERIES[p.parsed.series].row != "none":
+            grouped.setdefault((p.stack, _label(p)), []).append(p)
     rows = []
     for (stack, label), members in grouped.items():
         kind = SERIES[members[0].parsed.series].row
@@ -394,13 +487,14 @@ def _rows(scalars: dict[str, Points]) -> list[Trend]:
         rows.append(
             Trend(stack, label, tuple(steps), values, tuple(sorted(m.tag for m in members)))
         )
-    order = {name: i for i, name in enumerate(SERIES)}
+    return sorted(rows, key=lambda t: row_rank(t.stack, t.metric))
 
-    def rank(t: Trend) -> tuple[bool, str, int, str]:
-        series = re.split(r"[\[ /]", t.metric, maxsplit=1)[0]
-        return (t.stack == MODEL, t.stack, order.get(series, len(order)), t.metric)
 
-    return sorted(rows, key=rank)
+def row_rank(stack: str, metric: str) -> tuple[bool, str, int, str]:
+    """Where a row goes in the table: by stack (`MODEL` last), then family in registry order."""
+    series = re.split(r"[\[ /]", metric, maxsplit=1)[0]
+    order = list(SERIES)
+    return (stack == MODEL, stack, order.index(series) if series in order else len(order), metric)
 
 
 # --- flags -------------------------------------------------------------------------------------
@@ -460,7 +554,8 @@ def _panel(name: str, profiles: list[tuple[int, list[float]]]) -> plots.Panel:
 
 
 # --- the command line --------------------------------------------------------------------------
-def _num(v: float) -> str:
+def format_number(v: float) -> str:
+    """A table cell: four significant digits, ``nan`` for NaN."""
     if math.isnan(v):
         return "nan"
     return f"{v:.4g}"
@@ -469,8 +564,9 @@ def _num(v: float) -> str:
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``report`` on an ``argparse`` subparsers object (``normprobe report``).
 
-    Exit status of the command: 0 when no run raised a flag, 1 when some did, 2 on bad input
-    (a path that does not exist, no event files, no ``normprobe/`` tags).
+    Exit status of the command: 0 when no run raised a flag, 1 when some did (also in a
+    comparison), 2 on bad input (a path that does not exist, no event files, no ``normprobe/``
+    tags, a folder of several runs among the runs to compare).
 
     Example::
 
@@ -481,26 +577,39 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "report",
-        help="summarize a probed run's TensorBoard event files",
+        help="summarize a probed run's TensorBoard event files, or compare runs",
         description=(
             "Read the event files normprobe wrote and print, per stack, each metric's first, "
             "last, min and max over training with its trend, then flags (residual growth, "
             "representation collapse, NaN onset, BatchNorm drift, logit blow-up, top- or "
-            "bottom-heavy gradients). Every run under RUN_DIR is reported. Exit status: 0 no "
-            "flags, 1 flags raised, 2 bad input."
+            "bottom-heavy gradients). Every run under RUN_DIR is reported. Given two or more "
+            "runs, compare them: each metric at the last step all runs logged, its ratio to the "
+            "first run, and the flags not every run raised. Exit status: 0 no flags, 1 flags "
+            "raised (by any run), 2 bad input."
         ),
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run's log directory, or a parent")
+    parser.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="a run's log directory, or a parent; two or more runs: compare them",
+    )
     parser.add_argument(
         "--png",
         metavar="OUT.png",
         help="also draw the depth profiles there (one file per run: OUT-<run>.png if several)",
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help=f"print one JSON document ({REPORT_SCHEMA}, or normprobe.compare/1 for a "
+        "comparison) instead of the table",
+    )
     parser.set_defaults(run=_run)
     return parser
 
 
-def _runs_under(path: Path) -> list[Path]:
+def runs_under(path: Path) -> list[Path]:
     """`find_runs`, or FileNotFoundError naming the path and what to pass instead."""
     if not path.exists():
         raise FileNotFoundError(f"no such file or directory: {str(path)!r}; pass a run's log_dir")
@@ -514,9 +623,11 @@ def _runs_under(path: Path) -> list[Path]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    root = Path(args.run_dir)
+    if len(args.run_dirs) > 1:
+        return _compare(args)
+    root = Path(args.run_dirs[0])
     try:
-        runs = _runs_under(root)
+        runs = runs_under(root)
     except FileNotFoundError as e:
         return _fail(str(e))
     reports, skipped = [], []
@@ -532,21 +643,44 @@ def _run(args: argparse.Namespace) -> int:
             f"no normprobe/ tags in the event files of {listed}; was the probe attached "
             "(normprobe.attach or normprobe.NormProbe)?"
         )
+    notes = sys.stderr if args.json else sys.stdout
     for k, rep in enumerate(reports):
-        if k:
-            print()
-        print(rep.table())
+        if not args.json:
+            print(("\n" if k else "") + rep.table())
         if args.png:
-            out = _png_path(Path(args.png), root, Path(rep.run_dir), len(reports))
-            try:
-                rep.write_png(out)
-            except ValueError as e:
-                print(f"no picture: {e}")
-            else:
-                print(f"depth profiles: {out}")
-    if skipped:
+            _draw(rep, _png_path(Path(args.png), root, Path(rep.run_dir), len(reports)), notes)
+    if args.json:
+        print(dumps(report_document(reports, skipped)))
+    elif skipped:
         print(f"\nskipped (no normprobe/ tags): {', '.join(str(s) for s in skipped)}")
     return 1 if any(rep.flags for rep in reports) else 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from .compare import compare_runs  # compare builds on this module
+
+    try:
+        comparison = compare_runs(*args.run_dirs)
+    except (FileNotFoundError, ValueError) as e:
+        return _fail(str(e))
+    print(dumps(comparison.to_dict()) if args.json else comparison.table())
+    if args.png:
+        runs = [Path(os.path.abspath(r.run_dir)) for r in comparison.reports]
+        root = Path(os.path.commonpath(runs))
+        for rep, run in zip(comparison.reports, runs, strict=True):
+            out = _png_path(Path(args.png), root, run, len(runs))
+            _draw(rep, out, sys.stderr if args.json else sys.stdout)
+    return 1 if comparison.flagged else 0
+
+
+def _draw(rep: RunReport, out: Path, notes: TextIO) -> None:
+    """Draw the run's depth profiles to ``out``, and say where (or why not) on ``notes``."""
+    try:
+        rep.write_png(out)
+    except ValueError as e:
+        print(f"no picture: {e}", file=notes)
+    else:
+        print(f"depth profiles: {out}", file=notes)
 
 
 def _png_path(out: Path, root: Path, run: Path, count: int) -> Path:

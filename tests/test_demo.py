@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from tb import read_events
 
+import normprobe
 from normprobe import demo, tags
 
 
@@ -20,6 +21,10 @@ def test_demo_trains_four_runs_and_prints_the_comparison(
         assert tags.format("grad_ratio", "model.blocks") in events.scalars
         assert any(line.startswith(name + " ") for line in out.splitlines())
     assert f"tensorboard --logdir {tmp_path / 'demo'}" in out
+    # the link pins the summary of the four runs: the loss and the stack's gradient ratio first
+    link = next(line for line in out.splitlines() if line.startswith("http://localhost:6006/?"))
+    assert link == normprobe.dashboard_url(tmp_path / "demo")
+    assert "train_loss" in link and "grad_ratio" in link
     table = [line.split() for line in out.splitlines() if line.startswith(("pre-ln", "post-ln"))]
     assert len(table) == 4 and all(len(row) == 5 for row in table)
     assert all(float(v) == float(v) for row in table for v in row[1:])  # measured, not NaN

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -17,6 +18,7 @@ from conftest import get_json
 from PIL import Image
 
 import normprobe
+from normprobe import tags
 from normprobe.models import TinyTransformer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -89,3 +91,36 @@ def test_custom_scalars_and_depth_view_render(serve: Callable[[Path], str], tmp_
     assert _chart_pixels(empty) == 0
     assert _chart_pixels(charts) > 500
     assert _colour_pixels(depth) > 2000  # the heatmaps' colour maps
+
+
+def test_dashboard_url_opens_time_series_on_the_summary(
+    serve: Callable[[Path], str], tmp_path: Path
+) -> None:
+    logs = tmp_path / "runs"
+    _run(logs)
+    url = serve(logs)
+    deadline = time.monotonic() + 60
+    while "demo" not in get_json(f"{url}/data/plugin/scalars/tags"):
+        assert time.monotonic() < deadline, "TensorBoard never loaded the run"
+        time.sleep(0.5)
+    port = int(url.rsplit(":", 1)[1])
+    link = normprobe.dashboard_url(logs, host="127.0.0.1", port=port)
+    assert CHROMIUM is not None
+    dom = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1000",
+         "--virtual-time-budget=20000", "--dump-dom", link],
+        capture_output=True, text=True, timeout=120, check=False,
+    ).stdout  # fmt: skip
+    # the rendered page: the pinned section first, holding the summary cards in order
+    found = re.findall(r"Pinned|normprobe/[\w/.]+", dom)
+    written = set(get_json(f"{url}/data/plugin/scalars/tags")["demo"])
+    shown = [t for t in found if t == "Pinned" or t in written]
+    summary = [
+        tags.format("grad_ratio", "blocks"),
+        tags.format("resid_growth", "blocks"),
+    ]
+    assert shown[0] == "Pinned", shown[:5]
+    assert shown[1:3] == summary, shown[:8]
+    assert shown[3].startswith(tags.prefix("attn_logit_max", "blocks"))
+    assert shown[4] == tags.format("nonfinite", "modules")

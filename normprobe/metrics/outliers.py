@@ -31,7 +31,7 @@ class Outliers(Family):
     )
     series = (
         Series("outlier_ratio", "block", "max"),  # the worst block
-        Series("outlier_channel", "block", "last", scale="linear"),  # in the stream leaving
+        Series("outlier_channel", "block", "none", scale="linear"),  # an index: the flag names it
         Series("outlier_kurtosis", "block", "max"),
     )
 
