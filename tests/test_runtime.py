@@ -225,7 +225,8 @@ def test_schedule_event_files_layout_and_depth_view(tmp_path: Path) -> None:
     assert families == {
         "resid_rms", "resid_growth", "resid_slope", "resid_cos", "norm_in_rms", "norm_out_rms",
         "norm_gain_mean", "norm_gain_std", "grad_norm", "grad_ratio", "update_ratio", "logits",
-        "attn_logit_max", "nonfinite", "weight_rms",
+        "attn_logit_max", "nonfinite", "weight_rms", "outlier_ratio", "outlier_channel",
+        "outlier_kurtosis", "attn_head_max", "attn_head_argmax", "attn_heads_over_tau",
     }  # fmt: skip
     # depth view: one histogram per metric and stack, one bucket per block
     steps, buckets = zip(*events.profiles[tags.format("resid_rms", "blocks")], strict=True)
