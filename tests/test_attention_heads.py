@@ -5,6 +5,7 @@ MuonClip's factors from them."""
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -227,3 +228,15 @@ def test_report_names_the_head_of_an_attention_blow_up(tmp_path: Path) -> None:
     flags = [f for f in normprobe.report_run(tmp_path).flags if f.kind == "logit blow-up"]
     assert len(flags) == 1
     assert "blocks/0.attn (head 3)" in flags[0].message
+
+
+def test_attention_is_not_missed_aloud_unless_asked_for(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with normprobe.attach(model, log_dir=str(tmp_path)) as probe:  # every family
+            model(torch.randn(2, 4))
+            probe.step()
+    said = " ".join(str(w.message) for w in caught)
+    assert "no stacks of blocks" in said  # what every model is expected to have
+    assert "attention" not in said and "BatchNorm" not in said

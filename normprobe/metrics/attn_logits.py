@@ -20,6 +20,8 @@ def _put_max(plan: Plan, slot: Slot, per_head: torch.Tensor) -> None:
 
 class AttnLogits(Family):
     name = "attn_logits"
+    requires = "no attention modules"
+    optional = True
     description = (
         "per attention module, max |q.k| * scale as the model forms it from q and k "
         "(soft-capping included, masks and biases left out: every product counts), also when "

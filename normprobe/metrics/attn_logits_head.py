@@ -19,6 +19,7 @@ TAU = 100.0
 class AttnLogitsHead(Family):
     name = "attn_logits_head"
     requires = "no attention modules"
+    optional = True
     description = (
         "per attention module and query head, max |q.k| * scale over every product the head "
         "forms (as attn_logits: soft-capping included, masks left out; grouped-query heads "

@@ -21,6 +21,8 @@ STATS = ("bn_mean_drift", "bn_var_drift", "bn_gap")
 
 class BnStats(Family):
     name = "bn_stats"
+    requires = "no BatchNorm layers"
+    optional = True
     description = (
         "per BatchNorm: how far the batch's mean and variance are from the running ones "
         "(normalized), and the train-vs-eval output gap on the logged batch"

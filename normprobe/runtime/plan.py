@@ -205,11 +205,12 @@ class ProbePlan:
                 fn(values, out)
         return out.record
 
-    def warn_missing(self) -> None:
-        """Warn (on the writing rank) about chosen families that found nothing to read."""
+    def warn_missing(self, every_family: bool) -> None:
+        """Warn (on the writing rank) about chosen families that found nothing to read; of
+        ``every_family`` (no names chosen), not about the optional ones."""
         missing: dict[str, list[str]] = {}
         for family in self.empty:
-            if family.requires is not None:
+            if family.requires is not None and not (every_family and family.optional):
                 missing.setdefault(family.requires, []).append(family.name)
         if missing and is_writer():
             listed = "; ".join(f"{why} ({', '.join(names)})" for why, names in missing.items())
