@@ -8,7 +8,9 @@ time per step and its ratio to the bare step.
 
 Variants:
   bare           the training step alone
-  every=50       normprobe.attach(..., every=50), all metrics
+  every=50       normprobe.attach(..., every=50), all metrics, the spike detector on (the
+                 default; the loop hands it the loss with probe.observe_loss)
+  no spikes      the same with spikes=None
   every=1        normprobe.attach(..., every=1), all metrics on every step
   naive hooks    a forward hook on every module logging the output RMS with .item()
   lightning      lightning's grad_norm() utility every step, values logged as floats
@@ -40,15 +42,19 @@ BF16 = False  # forward under bf16 autocast (--bf16)
 
 def _trainer(model: nn.Module, batch: torch.Tensor, loss: Callable[[nn.Module], Any]) -> Step:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    probe: list[normprobe.Probe] = []  # the probe a variant attaches, handed the loss
 
     def step() -> None:
         with torch.autocast(batch.device.type, torch.bfloat16, enabled=BF16):
             value = loss(model)
+        for p in probe:
+            p.observe_loss(value)
         value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     step.opt = opt  # type: ignore[attr-defined]
+    step.probe = probe  # type: ignore[attr-defined]
     return step
 
 
@@ -72,12 +78,18 @@ def variants(
     base = make().to(batch.device)
     out: dict[str, Step] = {}
     out["bare"] = _trainer(copy.deepcopy(base), batch, loss)
-    for every in (50, 1):
+    for name, every, spikes in (
+        ("every=50", 50, normprobe.Spikes()),
+        ("no spikes", 50, None),
+        ("every=1", 1, normprobe.Spikes()),
+    ):
         model = copy.deepcopy(base)
         step = _trainer(model, batch, loss)
         log_dir = tempfile.mkdtemp(prefix="normprobe-bench-")
-        normprobe.attach(model, step.opt, log_dir=log_dir, every=every)  # type: ignore[attr-defined]
-        out[f"every={every}"] = step
+        opt = step.opt  # type: ignore[attr-defined]
+        probe = normprobe.attach(model, opt, log_dir=log_dir, every=every, spikes=spikes)
+        step.probe.append(probe)  # type: ignore[attr-defined]
+        out[name] = step
     naive = copy.deepcopy(base)
     _naive_hooks(naive)
     out["naive hooks"] = _trainer(naive, batch, loss)
@@ -122,7 +134,8 @@ def syncs_per_step(
     """Host syncs of steps 2..7 of a probe logging every 3rd step (CUDA only)."""
     model = make().to(batch.device)
     step = _trainer(model, batch, loss)
-    normprobe.attach(model, step.opt, log_dir=tempfile.mkdtemp(), every=3)  # type: ignore[attr-defined]
+    probe = normprobe.attach(model, step.opt, log_dir=tempfile.mkdtemp(), every=3)  # type: ignore[attr-defined]
+    step.probe.append(probe)  # type: ignore[attr-defined]
     for _ in range(2):  # discovery and the first logged step
         step()
     counts = []

@@ -1,5 +1,7 @@
 """normprobe: see and change the normalization, residual and initialization behaviour of a model."""
 
+from .compare import Comparison, compare_runs
+from .dashboard import dashboard_url
 from .diagnose import DiagnoseInputError, Diagnosis, Finding, diagnose
 from .discovery import (
     Attention,
@@ -21,10 +23,11 @@ from .init import (
 )
 from .layers import DyT
 from .metrics import Flag
+from .metrics.attn_logits_head import qk_clip_factors
 from .muparam import CoordTable, MupShape, coord_check, mup, mup_param_groups, mup_shapes
 from .report import RunReport, Trend, find_runs
 from .report import report as report_run
-from .runtime import METRICS, Probe, attach, attached_probe
+from .runtime import METRICS, Probe, Spikes, attach, attached_probe
 from .sinks import MemorySink, Record, Sink, TensorBoardSink
 from .surgery import (
     HYBRIDNORM,
@@ -52,6 +55,7 @@ __all__ = [
     "METRICS",
     "Attention",
     "BranchScale",
+    "Comparison",
     "Conversion",
     "ConversionReport",
     "ConversionWarning",
@@ -73,6 +77,7 @@ __all__ = [
     "ResidualAdd",
     "RunReport",
     "Sink",
+    "Spikes",
     "Stack",
     "TensorBoardSink",
     "Trend",
@@ -80,9 +85,11 @@ __all__ = [
     "attach",
     "attached_probe",
     "branch_scales",
+    "compare_runs",
     "convert_norms",
     "convert_norms_with_report",
     "coord_check",
+    "dashboard_url",
     "diagnose",
     "discover",
     "discover_on_first_forward",
@@ -91,6 +98,7 @@ __all__ = [
     "mup",
     "mup_param_groups",
     "mup_shapes",
+    "qk_clip_factors",
     "reinit",
     "remove_branch_scale",
     "report_run",

@@ -26,6 +26,7 @@ from transformers.trainer_callback import CallbackHandler
 from .common import check_every
 from .metrics import chosen
 from .runtime import Probe
+from .runtime.spikes import DEFAULT_SPIKES, Spikes
 from .sinks import Record, Sink, TensorBoardSink
 
 DEFAULT_DIR = "normprobe"
@@ -71,12 +72,18 @@ class NormProbeCallback(TrainerCallback):
     multiplies every gradient by one factor, so ``grad_ratio`` is unchanged; the per-block
     ``grad_norm`` values are the clipped ones (``max_grad_norm=0`` logs them unclipped).
 
+    The spike detector watches the loss the model returns (``outputs.loss``, what the Trainer
+    trains on when the batch has labels; the Trainer hands callbacks no loss) and the total
+    gradient norm, which is the clipped one: with ``max_grad_norm`` set, a gradient spike is
+    capped and mostly the loss shows it.
+
     Args:
         every: log every this many steps instead of the Trainer's ``logging_steps``.
         metrics: names from ``normprobe.METRICS`` (default: all).
         example_inputs, example_kwargs: inputs to map the model before training; by default
             the model is mapped on its first training forward.
         max_block_tags: as in `normprobe.attach`.
+        spikes: the spike detector, as in `normprobe.attach` (None: off).
     """
 
     def __init__(
@@ -86,6 +93,7 @@ class NormProbeCallback(TrainerCallback):
         example_inputs: tuple[Any, ...] | None = None,
         example_kwargs: dict[str, Any] | None = None,
         max_block_tags: int = 64,
+        spikes: Spikes | None = DEFAULT_SPIKES,
     ) -> None:
         if every is not None:
             check_every(every)
@@ -94,6 +102,7 @@ class NormProbeCallback(TrainerCallback):
         self.example_inputs = example_inputs
         self.example_kwargs = example_kwargs
         self.max_block_tags = max_block_tags
+        self.spikes = spikes
         self.probe: Probe | None = None
         self.latest: Record | None = None
         self._first = False
@@ -120,6 +129,7 @@ class NormProbeCallback(TrainerCallback):
             metrics=self.metrics,
             max_block_tags=self.max_block_tags,
             start_step=state.global_step,
+            spikes=self.spikes,
         )
         if self.example_inputs is not None or self.example_kwargs is not None:
             device = next((p.device for p in model.parameters()), torch.device("cpu"))

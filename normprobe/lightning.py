@@ -19,6 +19,7 @@ from .common import check_every, is_compiled
 from .metrics import chosen
 from .metrics.base import Reduce
 from .runtime import Probe, ProbeHook
+from .runtime.spikes import DEFAULT_SPIKES, Spikes
 from .sinks import Record, TensorBoardSink
 
 DEFAULT_DIR = "normprobe_logs"
@@ -76,7 +77,8 @@ class NormProbe(Callback):
     Gradients are read in ``on_before_optimizer_step``: accumulated, unscaled by the precision
     plugin, not yet clipped; with gradient accumulation, once per optimizer step. BatchNorm
     drift and the train/eval gap are also logged on the first batch of each validation run
-    (``normprobe/val_bn_*``).
+    (``normprobe/val_bn_*``). The spike detector watches the loss ``training_step`` returns
+    (``on_before_backward``) and the gradient norm on every optimizer step.
 
     Args:
         every: log every this many optimizer steps (default: ``trainer.log_every_n_steps``).
@@ -84,6 +86,7 @@ class NormProbe(Callback):
         example_inputs: positional inputs to map the model before training starts.
         max_block_tags: per-block scalar tags for at most this many blocks of a stack, and
             norm and attention statistics for at most this many layers of each kind.
+        spikes: the spike detector, as in `normprobe.attach` (None: off).
 
     Attributes:
         latest: the last training step's record (on every rank), also after training ends.
@@ -100,6 +103,7 @@ class NormProbe(Callback):
         metrics: Iterable[str] | None = None,
         example_inputs: tuple[Any, ...] | None = None,
         max_block_tags: int = 64,
+        spikes: Spikes | None = DEFAULT_SPIKES,
     ) -> None:
         if every is not None:
             check_every(every)
@@ -107,6 +111,7 @@ class NormProbe(Callback):
         self.metrics = chosen(metrics)
         self.example_inputs = example_inputs
         self.max_block_tags = max_block_tags
+        self.spikes = spikes
         self.probe: Probe | None = None
         self.latest: Record | None = None
         self._waiting: list[RemovableHandle] = []
@@ -176,6 +181,7 @@ class NormProbe(Callback):
             max_block_tags=self.max_block_tags,
             start_step=trainer.global_step,
             persistent_hooks=compiled,
+            spikes=self.spikes,
             _param_reduce=_param_reduce(trainer.strategy),
             _phase=every - 1,  # Lightning logs step s when (s + 1) % every == 0
             _name_prefix=_prefix(trainer.lightning_module, module),
@@ -212,6 +218,12 @@ class NormProbe(Callback):
         if self.probe is not None:
             self.probe.paused = False
             self.probe.begin_step(trainer.global_step)
+
+    def on_before_backward(
+        self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor
+    ) -> None:
+        if self.probe is not None:
+            self.probe.observe_loss(loss)
 
     def on_before_optimizer_step(
         self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer

@@ -9,6 +9,7 @@ thresholds `diagnose` compares against all come from here.
 from __future__ import annotations
 
 from .attn_logits import AttnLogits
+from .attn_logits_head import AttnLogitsHead
 from .base import Family, Flag, Series
 from .bn_stats import BnStats
 from .grad_norm import GradNorm
@@ -16,8 +17,10 @@ from .logits import Logits
 from .nonfinite import NonFinite
 from .norm_gain import NormGain
 from .norm_rms import NormRms
+from .outliers import Outliers
 from .resid_cos import ResidCos
 from .resid_rms import ResidRms
+from .spikes import Spikes
 from .update_ratio import UpdateRatio
 from .weight_rms import WeightRms
 
@@ -26,7 +29,9 @@ FAMILIES: tuple[Family, ...] = (
     ResidRms(),
     GradNorm(),
     ResidCos(),
+    Outliers(),
     AttnLogits(),
+    AttnLogitsHead(),
     Logits(),
     UpdateRatio(),
     WeightRms(),
@@ -34,6 +39,7 @@ FAMILIES: tuple[Family, ...] = (
     NormGain(),
     BnStats(),
     NonFinite(),
+    Spikes(),
 )
 METRICS: dict[str, str] = {f.name: f.description for f in FAMILIES}
 SERIES: dict[str, Series] = {s.name: s for f in FAMILIES for s in f.series}

@@ -2,9 +2,11 @@
 kept on the device until one transfer per logged step.
 
 On a step that is not logged every hook returns at once: no statistic is computed, no tensor is
-kept, nothing is read back. On a logged step, hooks reduce what they see to float32 scalars on
-the device; after the optimizer step those are concatenated and copied to the host in one go.
-What is measured is declared by the metric families (`normprobe.metrics`).
+kept, nothing is read back. Only the spike detector (`spikes`) runs on every step: a few
+operations on the device and a copy to the host that nothing waits for. On a logged step, hooks
+reduce what they see to float32 scalars on the device; after the optimizer step those are
+concatenated and copied to the host in one go. What is measured is declared by the metric
+families (`normprobe.metrics`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..sinks import Sink, TensorBoardSink
 from .hooks import InertHook, ProbeHook
 from .plan import tagged_paths
 from .probe import Probe, attached_probe
+from .spikes import DEFAULT_SPIKES, Spikes
 
 
 def attach(
@@ -35,6 +38,7 @@ def attach(
     example_inputs: tuple[Any, ...] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     max_block_tags: int = 64,
+    spikes: Spikes | None = DEFAULT_SPIKES,
 ) -> Probe:
     """Attach a probe that logs the model's norm, residual and gradient statistics.
 
@@ -61,6 +65,12 @@ def attach(
         max_block_tags: deeper stacks get scalar tags for this many evenly spread blocks only
             (depth histograms always hold every block); norm and attention layers repeated
             more often (``blocks.*.ln_1``) are measured at this many evenly spread ones.
+        spikes: the spike detector (`Spikes`; None: off). On every step it compares the loss
+            and the total gradient norm with their last ``window`` steps; on a spike (above
+            mean + ``sigma`` std) it writes ``normprobe/spike/*`` and logs every metric for
+            the next ``capture`` steps. The loss comes from the model's output (``.loss``,
+            ``["loss"]``) or from ``probe.observe_loss(loss)``; without one only the gradient
+            norm is watched. Off under ``torch.distributed``.
 
     Returns:
         A `Probe`, also a context manager; ``probe.remove()`` is idempotent.
@@ -83,6 +93,7 @@ def attach(
         metrics=metrics,
         max_block_tags=max_block_tags,
         sinks=sinks,
+        spikes=spikes,
     )
     try:
         # under torch.distributed, rank 0 alone opens event files
@@ -105,4 +116,13 @@ if attach.__doc__:
     )
 
 
-__all__ = ["METRICS", "InertHook", "Probe", "ProbeHook", "attach", "attached_probe", "tagged_paths"]
+__all__ = [
+    "METRICS",
+    "InertHook",
+    "Probe",
+    "ProbeHook",
+    "Spikes",
+    "attach",
+    "attached_probe",
+    "tagged_paths",
+]

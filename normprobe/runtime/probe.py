@@ -12,15 +12,16 @@ import torch
 from torch import nn
 
 from .. import probes, tags
-from ..common import check_every, is_writer
+from ..common import check_every, is_writer, world_size
 from ..discovery import DiscoveryWarning, ModelMap, discover
-from ..metrics import chosen, family
+from ..metrics import METRICS, chosen, family
 from ..metrics.base import Reduce
 from ..sinks import Record, Sink
 from .hooks import Armed, Hooks, OptimizerSteps, ProbeHook
 from .modes import exit_modes
 from .packing import Measurements, read_back
 from .plan import ProbePlan
+from .spikes import SpikeDetector, Spikes, SpikeWatch
 
 
 class Probe:
@@ -31,10 +32,13 @@ class Probe:
     Between logged steps only the root module carries a hook; the reading hooks are registered
     when a logged forward starts and removed when it ends. With ``persistent_hooks`` they stay
     registered and return at once on other steps (what a compiled model needs: no hook added
-    later). Drivers that count steps themselves (the Lightning and Hugging Face callbacks) call
-    `begin_step`, `before_optimizer_step` and `end_step`, and pass what only they know as the
-    underscored arguments: how ranks combine parameter statistics (``"sum"`` when each holds
-    a shard), the step phase of their logging schedule, and a prefix for module names.
+    later). With ``spikes``, a detector checks the loss and the gradient norm on every step
+    (`normprobe.Spikes`): a spike is written as ``normprobe/spike/*`` and the steps after it
+    are logged like scheduled ones. Drivers that count steps themselves (the Lightning and
+    Hugging Face callbacks) call `begin_step`, `before_optimizer_step` and `end_step`, and pass
+    what only they know as the underscored arguments: how ranks combine parameter statistics
+    (``"sum"`` when each holds a shard), the step phase of their logging schedule, and a prefix
+    for module names.
     """
 
     def __init__(
@@ -48,6 +52,7 @@ class Probe:
         max_block_tags: int = 64,
         start_step: int = 0,
         persistent_hooks: bool = False,
+        spikes: Spikes | None = None,
         _param_reduce: Reduce = "mean",
         _phase: int = 0,
         _name_prefix: str = "",
@@ -64,6 +69,7 @@ class Probe:
         self.name_prefix = _name_prefix
         self.param_reduce: Reduce = _param_reduce
         self.persistent_hooks = persistent_hooks
+        self.spikes = spikes
         self.paused = False
         self.model_map: ModelMap | None = None
         self.latest: Record | None = None
@@ -71,6 +77,7 @@ class Probe:
         self._measured = Measurements()
         self._hooks = Hooks(lambda: self._recording)
         self._armed = Armed()
+        self._spikes: SpikeWatch | None = None
         self._logged = self._is_logged(start_step)
         self._recording = False
         self._validating = False
@@ -122,13 +129,23 @@ class Probe:
             lambda: self.model.register_forward_hook(root_post, always_call=True),
         ]
         self.model_map, self._plan = model_map, plan
+        detector = None
+        if self.spikes is not None and world_size() == 1:
+            # under torch.distributed the ranks would have to agree on every step's verdict
+            detector = SpikeDetector.of(self.spikes, self.model, plan)
+        if detector is not None:  # a compiled model's output is not read: no hook added later
+            self._spikes = SpikeWatch(detector, self.model, self.sinks, not self.persistent_hooks)
         if self.persistent_hooks or self._logged:
             self._armed.arm()
-        plan.warn_missing()
+        plan.warn_missing(every_family=set(self.metrics) == set(METRICS))
 
     # the schedule ------------------------------------------------------------------------------
     def _is_logged(self, step: int) -> bool:
-        return step == 0 or step % self.every == self.phase
+        return step == 0 or step % self.every == self.phase or step <= self._captured()
+
+    def _captured(self) -> int:
+        """The last step a spike has logged."""
+        return -1 if self._spikes is None else self._spikes.capture_until
 
     def _root_pre(self, *_: Any) -> None:
         self._forwards += 1
@@ -196,21 +213,30 @@ class Probe:
         module while the root's own hooks run would miss that call.
         """
         self.step_count = step
-        self._logged = self._is_logged(step) if logged is None else logged
+        if logged is None:
+            self._logged = self._is_logged(step)
+        else:  # the driver's cadence, and the steps after a spike
+            self._logged = logged or step <= self._captured()
         if self._logged and self._plan is not None and not self._removed:
             self._armed.arm()
 
     def before_optimizer_step(self) -> None:
-        """Read gradients and gains, and keep what the update ratio compares against."""
+        """Read gradients and gains, and keep what the update ratio compares against; check
+        the step for a spike."""
+        if self._spikes is not None:
+            self._spikes.detector.watch(self.step_count)
         if self._logged and self._plan is not None:
             self._plan.run("before_step")
 
     def end_step(self) -> None:
-        """After the optimizer step: measure the update and write the step (if logged)."""
+        """After the optimizer step: measure the update and write the step (if logged), and
+        the spikes found since the last step."""
         self._steps_ended += 1
         if self._logged and self._plan is not None:
             self._plan.run("after_step")
             self.flush()
+        if self._spikes is not None:
+            self._spikes.write(self.step_count)
 
     def validate_next_forward(self) -> None:
         """Record BatchNorm statistics on the next forward; `flush_validation` writes them."""
@@ -233,10 +259,24 @@ class Probe:
                 "this probe advances with its optimizer's step(); don't call probe.step() too"
             )
         self._steps_ended += 1
+        self.before_optimizer_step()
         if self._logged and self._plan is not None:
-            self._plan.run("before_step")
             self.flush()
+        if self._spikes is not None:
+            self._spikes.write(self.step_count)
         self.begin_step(self.step_count + 1)
+
+    # spikes --------------------------------------------------------------------------------------
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Hand the spike detector this step's training loss (in a plain loop, once the loss is
+        computed; several calls in a step, as with gradient accumulation, are averaged).
+
+        A model whose output carries its loss (``.loss`` or ``["loss"]``, as Hugging Face models
+        return it given labels) needs no call; once called, the model's output is no longer read.
+        Without either, only the gradient norm is watched. Nothing is read back here.
+        """
+        if self._spikes is not None:
+            self._spikes.observe_loss(loss)
 
     # writing -------------------------------------------------------------------------------------
     def flush(self, validation: bool = False) -> None:
@@ -280,21 +320,11 @@ class Probe:
         # removed while an exception propagates: that exception is the story, not the steps
         unwinding = sys.exc_info()[0] is not None
         if self._forwards and not self._steps_ended and not unwinding and is_writer():
-            how = (
-                "its optimizer never stepped"
-                if self.optimizer is not None
-                else "no optimizer was passed to attach() and probe.step() was never called"
-            )
-            warnings.warn(
-                f"normprobe: the probe saw {self._forwards} forward(s) of "
-                f"{type(self.model).__name__} but no training step ({how}), so nothing was "
-                "logged: steps advance with attach(model, optimizer=opt) and opt.step(), or "
-                "with probe.step() after each step",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            _warn_no_step(self.model, self._forwards, self.optimizer is not None)
         exit_modes(self._hooks.entered())
         self._armed.disarm()
+        if self._spikes is not None:
+            self._spikes.remove(unwinding)  # the last steps' verdicts, still on their way
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -310,6 +340,21 @@ class Probe:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def _warn_no_step(model: nn.Module, forwards: int, has_optimizer: bool) -> None:
+    how = (
+        "its optimizer never stepped"
+        if has_optimizer
+        else "no optimizer was passed to attach() and probe.step() was never called"
+    )
+    warnings.warn(
+        f"normprobe: the probe saw {forwards} forward(s) of {type(model).__name__} but no "
+        f"training step ({how}), so nothing was logged: steps advance with attach(model, "
+        "optimizer=opt) and opt.step(), or with probe.step() after each step",
+        RuntimeWarning,
+        stacklevel=3,  # the caller of remove()
+    )
 
 
 def unwrapped_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:

@@ -1,0 +1,345 @@
+"""Spike-triggered capture: a cheap detector of loss and gradient-norm spikes on every step.
+
+Each step, on the device: the step's loss (when the probe sees one) and total gradient norm,
+and each block's gradient norm, are compared with their mean and standard deviation over the
+last ``window`` steps, kept in a ring buffer on the device; a value above mean + sigma std is
+a spike (OLMo's rule). Spike values enter the history like any other, so a lasting shift is
+flagged for a few steps, not for good; NaN and Inf neither spike nor enter it (``nonfinite``
+reports them). The verdict goes to host memory by a copy nobody waits for (pinned memory on
+CUDA) and is read on a later step, once the copy is done; on a CPU it is read at once, at the
+spike's own step. Nothing is read back with ``.item()``: no host sync on the step. A series
+has no spike before it has 16 steps of history (or ``window``, if fewer).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import probes, tags
+from ..metrics.base import Plan
+from ..metrics.spikes import BlockRise, SpikeEvent, Watched
+from ..sinks import Record, Sink
+from .hooks import ProbeHook
+
+MIN_WINDOW = 8
+# no spike before a series has this many steps of history (the window, if it is shorter)
+WARMUP = 16
+# the std is at least this fraction of |mean|: a flat history does not turn a rounding
+# difference into a spike
+STD_FLOOR = 1e-3
+TOP_BLOCKS = 3
+# steps whose verdicts may be on their way to the host at once; past that, the oldest is waited
+# for (the device is then that many steps behind the host: waiting costs it nothing)
+SLOTS = 16
+
+
+@dataclass(frozen=True)
+class Spikes:
+    """The spike detector's settings (``attach(spikes=...)``; ``spikes=None`` turns it off).
+
+    Attributes:
+        sigma: a value above mean + sigma std of its history is a spike.
+        window: the history: the last this many steps (at least 8).
+        capture: on a spike, log every metric for this many steps after it is found.
+    """
+
+    sigma: float = 6.0
+    window: int = 128
+    capture: int = 10
+
+    def __post_init__(self) -> None:
+        off = "or pass spikes=None to turn the detector off"
+        if isinstance(self.sigma, bool) or not isinstance(self.sigma, int | float):
+            raise ValueError(f"Spikes(sigma={self.sigma!r}): sigma is a number, 6.0 by default")
+        if not self.sigma > 0:
+            raise ValueError(
+                f"Spikes(sigma={self.sigma!r}): sigma must be positive (a spike is a value above "
+                f"mean + sigma std; 6.0 by default), {off}"
+            )
+        if isinstance(self.window, bool) or not isinstance(self.window, int):
+            raise ValueError(f"Spikes(window={self.window!r}): window is a number of steps")
+        if self.window < MIN_WINDOW:
+            raise ValueError(
+                f"Spikes(window={self.window}): the history needs at least {MIN_WINDOW} steps "
+                f"for a mean and std worth comparing against (128 by default), {off}"
+            )
+        if isinstance(self.capture, bool) or not isinstance(self.capture, int) or self.capture < 0:
+            raise ValueError(
+                f"Spikes(capture={self.capture!r}): capture is the number of steps to log after "
+                "a spike, 0 or more (10 by default; 0 writes the spike alone)"
+            )
+
+
+DEFAULT_SPIKES = Spikes()
+
+
+class SpikeDetector:
+    """The history, the per-step check and the read-back of one probe's spike detector.
+
+    Columns of the history: the loss, the total gradient norm (every trainable parameter),
+    then each block's gradient norm. `observe_loss` takes the step's loss, `watch` checks the
+    step before the optimizer step, `found` hands over the spikes whose verdicts have reached
+    the host.
+    """
+
+    def __init__(
+        self, spikes: Spikes, params: Sequence[nn.Parameter], blocks: Mapping[str, set[int]]
+    ) -> None:
+        self.spikes = spikes
+        self.params = list(params)
+        self._one_device = len({p.device for p in self.params}) == 1
+        self.blocks = list(blocks)
+        self.columns = 2 + len(self.blocks)
+        # which parameters each gradient-norm column adds up: all of them, then each block's
+        members = torch.zeros(1 + len(self.blocks), len(self.params))
+        members[0] = 1.0
+        for row, held in enumerate(blocks.values(), start=1):
+            members[row, sorted(held)] = 1.0
+        self._members = members.reshape(-1)  # flat, like every buffer here: viewed when used
+        self._device: torch.device | None = None
+        self._loss: torch.Tensor | None = None
+        self._losses = 0
+        self._explicit_loss = False
+        self._checked = 0  # steps watched so far: the ring buffers' position
+        # (step, host slot, the copy's CUDA event) of the verdicts not read yet
+        self._pending: deque[tuple[int, int, torch.cuda.Event | None]] = deque()
+        self._read_early: list[SpikeEvent] = []  # read to free their slot, not handed over yet
+
+    @staticmethod
+    def of(spikes: Spikes, model: nn.Module, plan: Plan) -> SpikeDetector | None:
+        """A detector of ``model``'s trainable parameters and ``plan``'s blocks, or None when
+        nothing trains."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            return None
+        index = {id(p): i for i, p in enumerate(params)}
+        blocks = {}
+        for stack in plan.stacks():
+            name = plan.stack_name(stack.path)
+            for b, block in enumerate(stack.blocks):
+                held = {index[id(p)] for p in plan.modules[block].parameters() if id(p) in index}
+                blocks[f"{name}/{tags.block_label(b, stack.depth)}"] = held
+        return SpikeDetector(spikes, params, blocks)
+
+    def observe_loss(self, loss: torch.Tensor, explicit: bool) -> None:
+        """Add ``loss`` to the step's (several in a step, or a loss per sample, are averaged).
+        The first ``explicit`` loss (`normprobe.Probe.observe_loss`) replaces what the model's
+        output gave, from then on."""
+        if explicit and not self._explicit_loss:
+            self._explicit_loss = True
+            self._loss, self._losses = None, 0
+        elif self._explicit_loss and not explicit:
+            return
+        value = loss.detach().float()
+        value = value if value.dim() == 0 else value.mean()
+        self._loss = value if self._loss is None else self._loss + value
+        self._losses += 1
+
+    def watch(self, step: int) -> None:
+        """Check step ``step``'s loss and gradients against their history (the gradients are
+        complete: before the optimizer step) and send the verdict to the host."""
+        if self._device != self.params[0].device:
+            self._allocate(self.params[0].device)
+        x = self._x
+        with torch.no_grad():
+            grads = [self._zero if p.grad is None else p.grad for p in self.params]
+            if self._one_device:  # one fused pass, as clip_grad_norm_ makes
+                norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+                squares = norms.mul_(norms)
+            else:
+                squares = probes.squared_norms(grads).float()
+            torch.mv(self._members.view(self.columns - 1, -1), squares, out=self._sums)
+            torch.sqrt(self._sums, out=x[1:])
+            if self._loss is None:
+                x[0].fill_(math.nan)
+            else:
+                x[0].copy_(self._loss if self._losses == 1 else self._loss / self._losses)
+            position = self._checked % self.spikes.window
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # NaN, inf: none
+                _check(self._xp, self._values, self._history, self._present, position, self.spikes)
+        self._send(step)
+        self._loss, self._losses = None, 0
+
+    def found(self, wait: bool = False) -> list[SpikeEvent]:
+        """The spikes among the checked steps whose verdicts have reached the host (all of
+        them with ``wait``), in step order."""
+        events, self._read_early = self._read_early, []
+        while self._pending:
+            copied = self._pending[0][2]
+            if copied is not None and not copied.query():  # type: ignore[no-untyped-call]
+                if not wait:
+                    break
+                copied.synchronize()
+            events += self._read_oldest()
+        return events
+
+    # --------------------------------------------------------------------------------------------
+    def _allocate(self, device: torch.device) -> None:
+        """The device buffers and the host rows; a model moved to another device starts a new
+        history, once the verdicts still on their way are read.
+
+        On a CPU the rule runs on numpy arrays that share the tensors' memory: its thirty-odd
+        operations on a few hundred values cost numpy a microsecond each, torch several.
+        """
+        window, columns = self.spikes.window, self.columns
+        self._read_early += self.found(wait=True)
+        self._device = device
+        self._cuda = device.type == "cuda"
+        self._zero = torch.zeros((), device=device)
+        self._members = self._members.to(device)
+        self._sums = torch.empty(columns - 1, device=device)
+        on_cpu = device.type == "cpu"
+        self._xp = np if on_cpu else torch
+
+        def zeros(size: int) -> Any:
+            return np.zeros(size, np.float32) if on_cpu else torch.zeros(size, device=device)
+
+        self._history, self._present = zeros(window * columns), zeros(window * columns)
+        # what goes to the host each step: the two flags, then z, value, mean, history count
+        self._values = zeros(2 + 4 * columns)
+        self._row = torch.from_numpy(self._values) if on_cpu else self._values
+        self._x = self._row[2 + columns : 2 + 2 * columns]
+        size = SLOTS * self._row.numel()
+        if self._cuda:
+            host = torch.empty(size, pin_memory=True)
+            values = host.numpy()
+        else:
+            values = np.zeros(size, dtype=np.float32)
+            host = torch.from_numpy(values)
+        self._host = torch.split(host, self._row.numel())
+        self._host_rows = values.reshape(SLOTS, -1)
+        self._events = [torch.cuda.Event() for _ in range(SLOTS)] if self._cuda else []  # type: ignore[no-untyped-call]
+        self._checked = 0
+
+    def _send(self, step: int) -> None:
+        """Copy the step's row to a host slot: on CUDA without waiting, read once its event
+        has passed; elsewhere at once."""
+        if len(self._pending) == SLOTS:  # the slot to write is the oldest one's: read it first
+            copied = self._pending[0][2]
+            if copied is not None:
+                copied.synchronize()
+            self._read_early += self._read_oldest()
+        slot = self._checked % SLOTS
+        self._host[slot].copy_(self._row, non_blocking=self._cuda)
+        copied = None
+        if self._cuda:
+            copied = self._events[slot]
+            copied.record()
+        self._pending.append((step, slot, copied))
+        self._checked += 1
+
+    def _read_oldest(self) -> list[SpikeEvent]:
+        step, slot, _ = self._pending.popleft()
+        row = self._host_rows[slot]
+        return [self._event(step, row)] if row[0] or row[1] else []
+
+    def _event(self, step: int, row: Any) -> SpikeEvent:
+        columns = self.columns
+        z, x, mean, count = (row[2 + i * columns : 2 + (i + 1) * columns] for i in range(4))
+
+        def watched(c: int) -> Watched:
+            return Watched(float(x[c]), float(mean[c]), float(z[c]), int(count[c]), bool(row[c]))
+
+        rises = np.nan_to_num(z[2:], nan=-np.inf, posinf=np.inf)
+        top = [int(b) for b in np.argsort(-rises, kind="stable")[:TOP_BLOCKS] if rises[b] > 0]
+        blocks = tuple(
+            BlockRise(
+                self.blocks[b],
+                float(z[2 + b]),
+                float(x[2 + b] / mean[2 + b]) if mean[2 + b] > 0 else math.inf,
+            )
+            for b in top
+        )
+        loss = watched(0) if math.isfinite(x[0]) else None
+        return SpikeEvent(step, self.spikes.sigma, loss, watched(1), blocks)
+
+
+def _check(xp: Any, row: Any, history: Any, present: Any, position: int, spikes: Spikes) -> None:
+    """The rule on one step, on numpy arrays (``xp`` is numpy) or device tensors (torch).
+
+    ``row`` holds the step's values (after two flags and the z-scores); the flags, z-scores,
+    means and history counts are written into it, and the values into the history (flat
+    ``window x columns`` buffers, ``present`` 1 where a value entered) at ``position``.
+    """
+    columns = (len(row) - 2) // 4
+    z, x, mean, count = (row[2 + i * columns : 2 + (i + 1) * columns] for i in range(4))
+    history = history.reshape(spikes.window, columns)
+    present = present.reshape(spikes.window, columns)
+    count[:] = present.sum(0)
+    mean[:] = history.sum(0) / count
+    std = ((((history - mean) * present) ** 2).sum(0) / count) ** 0.5
+    z[:] = (x - mean) / xp.maximum(std, abs(mean) * STD_FLOOR)
+    finite = xp.isfinite(x)
+    row[:2] = ((z > spikes.sigma) & (count >= min(WARMUP, spikes.window)) & finite)[:2]
+    history[position] = xp.where(finite, x, 0.0)
+    present[position] = finite
+
+
+class SpikeWatch:
+    """A probe's detector at work: the loss it is handed (`observe_loss`) or reads off the
+    model's training output (``.loss`` or ``["loss"]``), the check before each optimizer step,
+    and the spikes written to the sinks, with the steps after each to log (`capture_until`)."""
+
+    def __init__(
+        self, detector: SpikeDetector, model: nn.Module, sinks: Sequence[Sink], read_output: bool
+    ) -> None:
+        self.detector = detector
+        self.sinks = sinks
+        self.capture_until = -1  # the last step a spike has logged
+        self._warned = False
+        self._output_hook = (
+            model.register_forward_hook(ProbeHook(self._output_loss)) if read_output else None
+        )
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        self._stop_reading_output()
+        self.detector.observe_loss(loss, explicit=True)
+
+    def _output_loss(self, module: nn.Module, args: Any, out: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return  # an evaluation forward
+        loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+        if isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.numel() == 1:
+            self.detector.observe_loss(loss, explicit=False)
+        else:  # the model's training output carries no loss: stop looking for one
+            self._stop_reading_output()
+
+    def _stop_reading_output(self) -> None:
+        if self._output_hook is not None:
+            self._output_hook.remove()
+            self._output_hook = None
+
+    def write(self, step: int, wait: bool = False) -> None:
+        """Write the spikes whose verdicts reached the host (all of them with ``wait``), and
+        log the ``capture`` steps after ``step``."""
+        spikes = self.detector.spikes
+        for event in self.detector.found(wait):
+            if not wait:
+                self.capture_until = max(self.capture_until, step + spikes.capture)
+            for sink in self.sinks:
+                sink.write(Record(event.step, scalars=event.scalars(), texts=event.texts()))
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"normprobe: {event.kind} at step {event.step} (z {event.z:.3g} > "
+                    f"{spikes.sigma:g}): logging every metric for the next {spikes.capture} "
+                    "steps; later spikes are written without a warning (normprobe/spike/* in "
+                    "TensorBoard, flags in `normprobe report`)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+
+    def remove(self, unwinding: bool) -> None:
+        """Stop reading losses; write the last steps' verdicts unless an exception unwinds."""
+        self._stop_reading_output()
+        if not unwinding:
+            self.write(-1, wait=True)
