@@ -1,14 +1,15 @@
 """Time forward+backward of the norm layers `convert_norms` swaps between, at transformer sizes.
 
     python benchmarks/norms.py [--tokens 4096] [--widths 768 1024 2048] [--device cpu]
-                               [--dtype float32] [--rounds 20] [--threads 1]
+                               [--dtype float32] [--rounds 20] [--threads 1] [--compile]
 
 Times ``nn.LayerNorm``, ``nn.RMSNorm`` (torch's fused kernel, what ``"rmsnorm"`` builds),
 ``DyT`` and, when transformers is installed, ``LlamaRMSNorm`` (the Python RMSNorm Hugging Face
 models ship, what ``"rmsnorm"`` replaces) on a ``(tokens, width)`` input. The layers run
 interleaved, one call each per round in a rotating order, in one process, so a change in the
-machine's speed hits all of them alike. The table gives each layer's median time and its ratio
-to ``nn.LayerNorm`` (below 1 is faster).
+machine's speed hits all of them alike. ``--compile`` adds each layer under ``torch.compile``
+(compiled before timing) to the same rounds. The table gives each layer's median time and its
+ratio to eager ``nn.LayerNorm`` (below 1 is faster).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -59,6 +61,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's choice)")
+    parser.add_argument(
+        "--compile", action="store_true", help="also time each layer under torch.compile"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,9 +79,17 @@ def main() -> None:
         f"torch {torch.__version__}; median of {args.rounds} interleaved rounds, ratio to LayerNorm"
     )
     names = list(layers(args.widths[0]))
+    if args.compile:
+        names += [f"{n} compiled" for n in names]
     print(f"{'width':>6}" + "".join(f"{n:>22}" for n in names))
     for width in args.widths:
         built = {n: make().to(args.device, dtype) for n, make in layers(width).items()}
+        if args.compile:
+            # one shape per layer: no dynamic-shape kernels after the first width
+            built |= {
+                f"{n} compiled": cast(nn.Module, torch.compile(m, dynamic=False))
+                for n, m in built.items()
+            }
         x = torch.randn(args.tokens, width, device=args.device, dtype=dtype, requires_grad=True)
         grad = torch.randn_like(x)
         for layer in built.values():  # warm-up: kernels loaded, allocator primed

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,12 @@ def test_rank_zero_writes_unsharded_names(runs: dict[str, Run], mode: str) -> No
     if mode != "fsdp2":  # attach() opens no event file on rank 1
         assert not (out / "tb1").exists()
     scalars = read_events(str(out / LOGS[mode])).scalars
-    assert scalars.keys() == set(ranks[0]["tags"]) == set(ranks[1]["tags"])
+
+    # a block's outlier channel is written on the steps where every rank found the same one
+    def steady(names: Iterable[str]) -> set[str]:
+        return {t for t in names if not t.startswith(tags.prefix("outlier_channel"))}
+
+    assert steady(scalars) == steady(ranks[0]["tags"]) == steady(ranks[1]["tags"])
     assert not [t for t in scalars if "_fsdp_wrapped_module" in t or "FSDP" in t]
     assert tags.format("resid_rms", STACK[mode], 2) in scalars
     assert tags.format("norm_in_rms", STACK[mode], 0, "ln_2") in scalars

@@ -13,15 +13,17 @@ from tb import Events, read_events
 
 import normprobe
 from normprobe import tags
+from normprobe.metrics import SERIES
 from normprobe.models import ResidualStack, TinyTransformer
 from normprobe.runtime import tagged_paths
 
 CAP = 64  # attach's default max_block_tags
-PER_BLOCK = 4  # families with a tag per block of a stack: resid_rms, resid_cos, grad_norm,
-# update_ratio; and per stack: resid_growth, resid_slope, grad_ratio
-PER_STACK = 3
+# series with a tag per block of a stack (resid_rms, grad_norm, outliers' three, ...), and per
+# stack (resid_growth, grad_ratio, ...)
+PER_BLOCK = sum(s.shape == "block" for s in SERIES.values())
+PER_STACK = sum(s.shape == "stack" for s in SERIES.values())
 PER_NORM = 4  # norm_in_rms, norm_out_rms, norm_gain_mean, norm_gain_std (no BatchNorm here)
-MODEL_WIDE = 4  # logits max_abs, rms, z; nonfinite/modules
+MODEL_WIDE = 5  # logits max_abs, rms, z; nonfinite/modules, backward_modules
 
 
 @pytest.fixture(autouse=True, scope="module")
