@@ -187,3 +187,43 @@ def test_ddp_through_accelerate_launch(tmp_path: Path) -> None:
     assert [s for s, _ in grad] == [s for s, _ in events.scalars["train/loss"]] == [1, 2, 4]
     for step, value in grad:
         assert value == pytest.approx(ranks[0]["grads"][str(step)], rel=1e-5)
+
+
+def test_trl_sft_trainer_logs_beside_its_loss(tmp_path: Path) -> None:
+    """TRL's trainers subclass the Trainer: the callback works in them unchanged."""
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model, _ = _gpt2()
+    vocab = {str(i): i for i in range(61)} | {"[UNK]": 61, "[PAD]": 62, "[EOS]": 63}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]"
+    )
+    data = datasets.Dataset.from_dict(
+        {"input_ids": [torch.randint(0, 61, (16,)).tolist() for _ in range(32)]}
+    )
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path),
+        max_steps=4,
+        logging_steps=2,
+        per_device_train_batch_size=4,
+        report_to=["tensorboard"],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    callback = NormProbeCallback()
+    trainer = trl.SFTTrainer(
+        model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[callback]
+    )
+    trainer.train()
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for run in _run_dirs(tmp_path):
+        scalars |= read_events(str(run)).scalars
+    assert [s for s, _ in scalars["train/loss"]] == [2, 4]
+    assert [s for s, _ in scalars[tags.format("grad_ratio", "transformer.h")]] == [2, 4]
+    assert normprobe.attached_probe(model) is None
