@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,9 @@ def test_there_is_a_script_per_claim() -> None:
 def test_claim_script_quick(script: Path, tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(script), "--quick", "--out", str(tmp_path)],
+        # threads that sleep when idle: spinning ones slow small models many times over when
+        # the cores are shared
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
         capture_output=True,
         text=True,
         timeout=300,

@@ -36,7 +36,7 @@ import torch
 import normprobe
 from normprobe import plots, tags
 from normprobe.corpus import CharCorpus
-from normprobe.models import TinyTransformer
+from normprobe.models import Placement, TinyTransformer
 
 CLAIM = _claims.Claim(
     key="deepnorm_depth",
@@ -89,7 +89,7 @@ def unigram_entropy(corpus: CharCorpus) -> float:
 
 
 def build(variant: str, depth: int, size: Size, vocab: int) -> TinyTransformer:
-    placement = "pre" if variant == "Pre-LN" else "post"
+    placement: Placement = "pre" if variant == "Pre-LN" else "post"
     model = TinyTransformer(vocab, size.width, depth, size.heads, size.context, placement=placement)
     if variant == "DeepNorm":
         ids = torch.zeros(2, size.context, dtype=torch.long)
@@ -208,7 +208,7 @@ def main() -> None:
         f"DeepNorm = Post-LN + reinit('deepnorm'); failed = NaN, final loss above the first, or "
         f"not below the unigram entropy {unigram:.3f}"
     )
-    numbers = {
+    numbers: dict[str, object] = {
         "lr": args.lr,
         "steps": size.steps,
         "unigram_entropy": unigram,

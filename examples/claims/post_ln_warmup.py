@@ -28,7 +28,7 @@ import torch
 
 from normprobe import plots, tags
 from normprobe.corpus import CharCorpus
-from normprobe.models import TinyTransformer
+from normprobe.models import Placement, TinyTransformer
 
 CLAIM = _claims.Claim(
     key="post_ln_warmup",
@@ -52,7 +52,7 @@ class Size:
 
 FULL = Size(width=64, depth=6, heads=4, context=32, batch=16, steps=400)
 QUICK = Size(width=16, depth=2, heads=2, context=16, batch=4, steps=30)
-PLACEMENTS = {"Post-LN": "post", "Pre-LN": "pre"}
+PLACEMENTS: dict[str, Placement] = {"Post-LN": "post", "Pre-LN": "pre"}
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Runs:
     ratio_series: list[list[tuple[int, float]]]
 
 
-def train(size: Size, placement: str, warmup: int, lr: float, seeds: int, label: str) -> Runs:
+def train(size: Size, placement: Placement, warmup: int, lr: float, seeds: int, label: str) -> Runs:
     vocab = CharCorpus(context=size.context).vocab_size
     runs = Runs(label, [], [], [], [], [])
     ratio_tag = tags.format("grad_ratio", "blocks")
@@ -188,7 +188,7 @@ def main() -> None:
         f"last {FINAL_STEPS} steps; grad ratio = the probe's grad_ratio/blocks (last / first "
         f"block) at step 0 and at the last logged step (every {PROBE_EVERY})"
     )
-    numbers = {
+    numbers: dict[str, object] = {
         "lr": args.lr,
         "steps": size.steps,
         "warmup": warmup,

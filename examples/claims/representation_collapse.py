@@ -36,7 +36,7 @@ import torch
 import normprobe
 from normprobe import plots, tags
 from normprobe.corpus import CharCorpus
-from normprobe.models import TinyTransformer
+from normprobe.models import Placement, TinyTransformer
 
 CLAIM = _claims.Claim(
     key="representation_collapse",
@@ -82,7 +82,7 @@ class Profiles:
 
 
 def build(variant: str, size: Size, vocab: int) -> TinyTransformer:
-    placement = "pre" if variant == "Pre-LN" else "post"
+    placement: Placement = "pre" if variant == "Pre-LN" else "post"
     model = TinyTransformer(
         vocab, size.width, size.depth, size.heads, size.context, placement=placement
     )
@@ -218,7 +218,7 @@ def main() -> None:
         f"deeper-half cosine = probe's resid_cos averaged over blocks {size.depth // 2}.."
         f"{size.depth - 2}"
     )
-    numbers = {
+    numbers: dict[str, object] = {
         v: {
             "deep_cos_init": _claims.mean_spread(p.deep_cos(p.cos_init)),
             "deep_cos_end": _claims.mean_spread(p.deep_cos(p.cos_end)),

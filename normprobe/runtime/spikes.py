@@ -96,7 +96,10 @@ class SpikeDetector:
     ) -> None:
         self.spikes = spikes
         self.params = list(params)
-        self._one_device = len({p.device for p in self.params}) == 1
+        # one fused pass in float32 (float64 parameters: not narrowed there)
+        self._fused = len({p.device for p in self.params}) == 1 and all(
+            p.dtype != torch.float64 for p in self.params
+        )
         self.blocks = list(blocks)
         self.columns = 2 + len(self.blocks)
         # which parameters each gradient-norm column adds up: all of them, then each block's
@@ -152,7 +155,7 @@ class SpikeDetector:
         x = self._x
         with torch.no_grad():
             grads = [self._zero if p.grad is None else p.grad for p in self.params]
-            if self._one_device:  # one fused pass, as clip_grad_norm_ makes
+            if self._fused:  # as clip_grad_norm_ makes
                 norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
                 squares = norms.mul_(norms)
             else:
