@@ -27,6 +27,7 @@ from torch import nn
 import normprobe
 from normprobe import plots
 from normprobe.corpus import CharCorpus
+from normprobe.models import TinyTransformer
 
 Verdict = Literal["reproduced", "not reproduced at this scale", "contradicted"]
 VERDICTS: tuple[Verdict, ...] = ("reproduced", "not reproduced at this scale", "contradicted")
@@ -145,6 +146,28 @@ def train_char_lm(
             probe.remove()
     elapsed = time.perf_counter() - start
     return Trained(torch.stack(losses).tolist(), sink, elapsed / max(steps, 1))
+
+
+def unigram_entropy() -> float:
+    """The built-in corpus's character entropy in nats: the loss of predicting each character
+    by its frequency alone."""
+    corpus = CharCorpus()
+    counts = torch.bincount(corpus.ids, minlength=corpus.vocab_size).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+def placed_transformer(
+    variant: str, vocab: int, width: int, depth: int, heads: int, context: int
+) -> TinyTransformer:
+    """A TinyTransformer as ``Pre-LN``, ``Post-LN`` or ``DeepNorm`` (Post-LN re-initialized
+    by ``normprobe.reinit(model, "deepnorm")``)."""
+    placement: Literal["pre", "post"] = "pre" if variant == "Pre-LN" else "post"
+    model = TinyTransformer(vocab, width, depth, heads, context, placement=placement)
+    if variant == "DeepNorm":
+        ids = torch.zeros(2, context, dtype=torch.long)
+        normprobe.reinit(model, "deepnorm", example_inputs=(ids,))
+    return model
 
 
 def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:

@@ -33,10 +33,8 @@ from dataclasses import dataclass, replace
 import _claims
 import torch
 
-import normprobe
 from normprobe import plots, tags
 from normprobe.corpus import CharCorpus
-from normprobe.models import Placement, TinyTransformer
 
 CLAIM = _claims.Claim(
     key="deepnorm_depth",
@@ -81,29 +79,13 @@ class Runs:
         return sum(self.failed(unigram)) > len(self.final) / 2
 
 
-def unigram_entropy(corpus: CharCorpus) -> float:
-    """The loss of predicting each character by its frequency alone, in nats."""
-    counts = torch.bincount(corpus.ids, minlength=corpus.vocab_size).double()
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * p.log()).sum())
-
-
-def build(variant: str, depth: int, size: Size, vocab: int) -> TinyTransformer:
-    placement: Placement = "pre" if variant == "Pre-LN" else "post"
-    model = TinyTransformer(vocab, size.width, depth, size.heads, size.context, placement=placement)
-    if variant == "DeepNorm":
-        ids = torch.zeros(2, size.context, dtype=torch.long)
-        normprobe.reinit(model, "deepnorm", example_inputs=(ids,))
-    return model
-
-
 def train(variant: str, depth: int, size: Size, lr: float, seeds: int, vocab: int) -> Runs:
     runs = Runs([], [], [], [], [])
     ratio_tag = tags.format("grad_ratio", "blocks")
     for seed in range(seeds):
         torch.manual_seed(seed)
         trained = _claims.train_char_lm(
-            build(variant, depth, size, vocab),
+            _claims.placed_transformer(variant, vocab, size.width, depth, size.heads, size.context),
             steps=size.steps,
             lr=lr,
             seed=seed,
@@ -157,7 +139,7 @@ def main() -> None:
     if args.steps:
         size = replace(size, steps=args.steps)
     corpus = CharCorpus(context=size.context)
-    unigram = unigram_entropy(corpus)
+    unigram = _claims.unigram_entropy()
 
     found = {
         (variant, depth): train(variant, depth, size, args.lr, args.seeds, corpus.vocab_size)

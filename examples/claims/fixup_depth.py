@@ -56,14 +56,7 @@ VARIANTS = ("BatchNorm", "no norm", "no norm + Fixup")
 VOCAB = CharCorpus().vocab_size
 
 
-def unigram_entropy() -> float:
-    """The corpus's character entropy in nats: the loss of predicting frequencies alone."""
-    counts = torch.bincount(CharCorpus().ids, minlength=VOCAB).double()
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * p.log()).sum())
-
-
-UNIGRAM = unigram_entropy()
+UNIGRAM = _claims.unigram_entropy()
 
 
 @dataclass(frozen=True)

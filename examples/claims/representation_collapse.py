@@ -33,10 +33,8 @@ from dataclasses import dataclass, replace
 import _claims
 import torch
 
-import normprobe
 from normprobe import plots, tags
 from normprobe.corpus import CharCorpus
-from normprobe.models import Placement, TinyTransformer
 
 CLAIM = _claims.Claim(
     key="representation_collapse",
@@ -81,17 +79,6 @@ class Profiles:
         return [statistics.fmean(p[(len(p) + 1) // 2 - 1 : -1]) for p in profiles]
 
 
-def build(variant: str, size: Size, vocab: int) -> TinyTransformer:
-    placement: Placement = "pre" if variant == "Pre-LN" else "post"
-    model = TinyTransformer(
-        vocab, size.width, size.depth, size.heads, size.context, placement=placement
-    )
-    if variant == "DeepNorm":
-        ids = torch.zeros(2, size.context, dtype=torch.long)
-        normprobe.reinit(model, "deepnorm", example_inputs=(ids,))
-    return model
-
-
 def at_step(trained: _claims.Trained, tag: str, step: int) -> float:
     return dict(trained.series(tag))[step]
 
@@ -107,7 +94,9 @@ def measure(variant: str, size: Size, seeds: int) -> Profiles:
     for seed in range(seeds):
         torch.manual_seed(seed)
         trained = _claims.train_char_lm(
-            build(variant, size, vocab),
+            _claims.placed_transformer(
+                variant, vocab, size.width, size.depth, size.heads, size.context
+            ),
             steps=size.steps,
             lr=LR,
             seed=seed,
