@@ -144,12 +144,13 @@ def test_the_last_forward_of_a_step_counts() -> None:
 
 def test_not_chosen_costs_no_reduction(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[torch.Tensor] = []
+    parts = probes.outlier_parts
 
     def counted(t: torch.Tensor) -> torch.Tensor:
         calls.append(t)
-        return torch.zeros(3)
+        return parts(t)
 
-    monkeypatch.setattr(probes, "outlier_stats", counted)
+    monkeypatch.setattr(probes, "outlier_parts", counted)
     model = ResidualStack(depth=2, width=8)
     sink = normprobe.MemorySink()
     with normprobe.attach(model, sinks=[sink], metrics=["resid_rms"], every=1) as probe:
@@ -226,3 +227,21 @@ def test_report_flags_massive_activations_naming_block_and_channel(tmp_path: Pat
     healthy = normprobe.report_run(_train(tmp_path / "good", inject=False))
     assert healthy.row("blocks", "outlier_ratio[max]").max < RATIO_LIMIT / 10
     assert not [f for f in healthy.flags if f.kind == "massive activations"]
+
+
+def test_large_streams_take_the_median_of_an_even_sample() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, 16, 96)  # 98,304 entries: every 53rd of them is the sample
+    x[40, 3, 17] = 500.0
+    stride = probes.sample_stride(x.shape, probes.MEDIAN_SAMPLE)
+    sample = x.flatten()[::stride].abs().double()
+    assert len(sample) <= probes.MEDIAN_SAMPLE and 96 % stride != 0
+    median = sample.sort().values[(len(sample) - 1) // 2]
+    ratio, channel, kurtosis = probes.outlier_stats(x).tolist()
+    assert ratio == pytest.approx(500.0 / float(median), rel=1e-5)  # the max itself is exact
+    assert channel == 17
+    assert kurtosis == pytest.approx(_hand_stats(x)[2], rel=1e-5)
+    # the sample's median estimates the whole stream's: |N(0, 1)| has median 0.674
+    exact = x.abs().flatten().median()
+    assert float(median) == pytest.approx(float(exact), rel=0.05)
+    assert float(exact) == pytest.approx(0.674, rel=0.02)

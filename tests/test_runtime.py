@@ -521,7 +521,8 @@ def test_reading_hooks_live_only_in_logged_forwards(tmp_path: Path, persistent: 
     probe.remove()
     spy.remove()
     armed = seen[0]
-    assert armed > 20  # every norm, stream and non-finite site
+    # a hook on every module (non-finite outputs), and pre-hooks for the norms' and streams' reads
+    assert armed > len(list(model.modules())) + 1
     # between logged steps: the spy and the probe's root hook only, unless kept registered
     assert seen == [armed, armed if persistent else 2, armed, armed if persistent else 2]
     assert values == [0, 0, 2, 2]

@@ -24,7 +24,8 @@ from ..tags import format as format_tag
 Reduce = Literal["mean", "rms", "max", "min", "sum"]
 Reader = Callable[[torch.Tensor], None]
 Side = Literal["input", "output"]  # which gradients of a module: w.r.t. its inputs or outputs
-GradientReader = Callable[[int, Side, torch.Tensor], None]
+# (the modules a tensor belongs to, each as (index in ``modules()``, side), its gradient)
+GradientReader = Callable[[Sequence[tuple[int, Side]], torch.Tensor], None]
 # how `report` turns a series into one number per step and stack
 RowReduce = Literal["last", "deep", "mean", "max", "value", "none"]
 Shape = Literal["block", "stack", "module", "model"]
@@ -116,9 +117,11 @@ class Plan(Protocol):
         """Hand ``action(index, output)`` every module's output (index: in ``modules()``)."""
 
     def read_gradients(self, action: GradientReader) -> None:
-        """Hand ``action(index, side, grad)`` every module's gradients in the backward of a logged
-        forward (index: in ``modules()``), as they become complete: the accumulated gradient of
-        each tensor it was called with (``input``), that of each tensor it returned (``output``).
+        """Hand ``action(modules, grad)`` the gradients in the backward of a logged forward of
+        every tensor a module was called with or returned, as they become complete, with the
+        modules it belongs to: ``(index, side)``, index in ``modules()``, side ``input`` (the
+        accumulated gradient of a tensor the module was called with) or ``output`` (that of a
+        tensor it returned). A tensor one module returns and the next takes comes once.
         Not on compiled models (`compiled`): tensor hooks would break their graph."""
 
     def at_forward_start(self, fn: Callable[[], None]) -> None:

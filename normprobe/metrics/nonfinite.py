@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .. import probes, tags
 from ..discovery.trace import iter_tensors
-from .base import MODEL, Batch, Family, Flag, Out, Plan, Run, Series, Side, Values
+from .base import MODEL, Family, Flag, Out, Plan, Run, Series, Side, Values
 
 Ranks = dict[torch.device, torch.Tensor]  # 0, 1, 2, ... on each device, made once
 
@@ -34,16 +35,9 @@ class NonFinite(Family):
         paths = list(plan.modules_in_order)
         slot = plan.slot(len(paths), "min")  # per module: its rank in execution order, or inf
         seen: set[int] = set()
+        read_modules: list[int] = []  # in the order they ran (each module's first call)
+        sums: list[torch.Tensor] = []  # the finite sum of each one's output
         warned = [False]
-
-        def publish(modules: list[int], sums: torch.Tensor) -> None:
-            # the i-th module read is the i-th to run: its rank if its output was not finite
-            ranks = torch.where(torch.isfinite(sums), math.inf, _ranks(order, paths, sums))
-            plan.measured.put_at([slot.offset + i for i in modules], ranks)
-
-        batch = Batch(plan, probes.finite_sums, publish)
-        plan.at_forward_start(seen.clear)
-        plan.on_clear(seen.clear)
 
         def read(index: int, out: Any) -> None:
             if index in seen:
@@ -51,13 +45,31 @@ class NonFinite(Family):
             if isinstance(out, torch.Tensor):
                 if not out.is_floating_point():
                     return
-                batch.add(index, out)
+                total = probes.finite_sum(out)
             else:
-                floats = [t.detach() for _, t in iter_tensors(out) if t.is_floating_point()]
+                floats = [t for _, t in iter_tensors(out) if t.is_floating_point()]
                 if not floats:
                     return
-                batch.add(index, probes.finite_sums(floats).sum())
+                total = probes.finite_sums(floats).sum()
             seen.add(index)
+            read_modules.append(index)
+            sums.append(total)
+
+        def publish() -> None:
+            if sums:
+                # the i-th module read is the i-th to run: its rank if its output was not finite
+                values = torch.stack(_on_first_device(sums))
+                ranks = torch.where(torch.isfinite(values), math.inf, _ranks(order, paths, values))
+                plan.measured.put_at([slot.offset + i for i in read_modules], ranks)
+
+        def clear() -> None:
+            seen.clear()
+            read_modules.clear()
+            sums.clear()
+
+        plan.at_forward_start(clear)
+        plan.at_flush(publish)
+        plan.on_clear(clear)
 
         def record(values: Values, out: Out) -> None:
             ranks = values.measured(slot)
@@ -92,28 +104,34 @@ class NonFinite(Family):
         paths = list(plan.modules_in_order)
         spread = float(len(paths))
         slot = plan.slot(len(paths), "min")
-        # by module; inputs in the order their gradient completed (a module's last one)
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
+        sums: list[torch.Tensor] = []  # the finite sum of each gradient, as they complete
+        # by module, the positions in ``sums`` of its gradients; inputs in the order their
+        # gradient completed (a module's last one)
+        inputs: dict[int, list[int]] = {}
+        outputs: dict[int, list[int]] = {}
         warned = [False]
 
-        def read(index: int, side: Side, grad: torch.Tensor) -> None:
-            sums = inputs if side == "input" else outputs
-            total = sums.pop(index, None)
-            value = probes.finite_sum(grad)
-            sums[index] = value if total is None else total + value.to(total.device)
+        def read(modules: Sequence[tuple[int, Side]], grad: torch.Tensor) -> None:
+            position = len(sums)
+            sums.append(probes.finite_sum(grad))
+            for index, side in modules:
+                if side == "input":
+                    inputs[index] = [*inputs.pop(index, []), position]
+                else:
+                    outputs.setdefault(index, []).append(position)
 
         def publish() -> None:
             if not inputs:
                 return
-            given = torch.stack(_on_first_device(list(inputs.values())))
-            no_gradient = given.new_zeros(())  # a module whose outputs received none
-            received = torch.stack(_on_first_device([outputs.get(i, no_gradient) for i in inputs]))
+            values = torch.stack(_on_first_device(sums))
+            given = _group_sums(values, list(inputs.values()))
+            received = _group_sums(values, [outputs.get(i, []) for i in inputs])
             made = torch.where(torch.isfinite(received), _ranks(order, paths, given), spread)
             ranks = torch.where(torch.isfinite(given), math.inf, made)
             plan.measured.put_at([slot.offset + i for i in inputs], ranks)
 
         def clear() -> None:
+            sums.clear()
             inputs.clear()
             outputs.clear()
 
@@ -153,6 +171,18 @@ def _ranks(order: Ranks, paths: list[str], like: torch.Tensor) -> torch.Tensor:
     if device not in order:
         order[device] = torch.arange(len(paths), dtype=torch.float32, device=device)
     return order[device][: len(like)]
+
+
+def _group_sums(values: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
+    """The sum of ``values`` at each group's positions (0 for an empty group)."""
+    members = [p for group in groups for p in group]
+    out = values.new_zeros(len(groups))
+    if not members:
+        return out
+    owner = [g for g, group in enumerate(groups) for _ in group]
+    device = values.device
+    index = torch.tensor(members, device=device)
+    return out.index_add_(0, torch.tensor(owner, device=device), values[index])
 
 
 def _on_first_device(values: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -46,10 +46,10 @@ class Outliers(Family):
             )
             for stack in streams.blocks
         }
-        reads: dict[str, list[tuple[int, torch.Tensor]]] = {stack: [] for stack in slots}
+        reads: dict[str, list[tuple[int, probes.OutlierParts]]] = {stack: [] for stack in slots}
 
         def watch(stack: str, block: int, stream: torch.Tensor) -> None:
-            reads[stack].append((block, probes.outlier_stats(stream)))
+            reads[stack].append((block, probes.outlier_parts(stream)))
 
         def clear() -> None:
             # in place: a compiled graph's guards see the same lists at every forward
@@ -60,7 +60,7 @@ class Outliers(Family):
             for stack, stack_reads in reads.items():
                 if stack_reads:
                     blocks = [b for b, _ in stack_reads]
-                    stats = torch.stack([s for _, s in stack_reads])  # (blocks, 3)
+                    stats = _stats([p for _, p in stack_reads])  # (blocks, 3)
                     positions = [slot.offset + b for slot in slots[stack] for b in blocks]
                     plan.measured.put_at(positions, stats[:, [0, 1, 1, 2]].T.reshape(-1))
 
@@ -120,6 +120,14 @@ class Outliers(Family):
                 )
             )
         return found
+
+
+def _stats(parts: list[probes.OutlierParts]) -> torch.Tensor:
+    """`probes.outlier_stats_many` of blocks' `probes.outlier_parts`, in one call when every
+    block's stream has as many channels."""
+    if len({p[0].shape for p in parts}) == 1:
+        return probes.outlier_stats_many(parts)
+    return torch.cat([probes.outlier_stats_many([p]) for p in parts])
 
 
 def _channel(run: Run, stack: str, block: int, step: int) -> int | None:

@@ -1,9 +1,9 @@
 """The hooks a probe registers: callbacks that turn inert in a copy of the model, and the
-per-module reads that metric families asked for."""
+per-module reads that metric families asked for, one pre-hook and one hook per module."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -14,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ..discovery.trace import first_float, get_by_key
+from .backward import Gradients
 from .modes import AddCounter, AttentionLogits
 
 Reader = Callable[[torch.Tensor], None]
@@ -72,7 +73,8 @@ class Site:
 
 
 class Hooks:
-    """The reads of every site, and what registers them (`registrations`).
+    """The reads of every site, every module's output and gradient readers, and what registers
+    them (`registrations`): one forward pre-hook and one forward hook per module at most.
 
     ``recording()`` says whether the current forward is logged; a module's calls are counted
     from the start of each recorded forward (`start`).
@@ -81,6 +83,8 @@ class Hooks:
     def __init__(self, recording: Callable[[], bool]) -> None:
         self.recording = recording
         self.sites: dict[str, Site] = {}
+        self.outputs: list[Callable[[int, Any], None]] = []  # get (module index, output)
+        self.gradients = Gradients()
         self.calls: dict[str, int] = {}
         self.modes: dict[str, list[TorchFunctionMode]] = {}  # entered, by module
 
@@ -96,50 +100,85 @@ class Hooks:
         self.modes.clear()
         return modes
 
-    def registrations(self, modules: dict[str, nn.Module], compiled: bool) -> list[Registration]:
+    def registrations(
+        self, model: nn.Module, modules: Mapping[str, nn.Module], compiled: bool
+    ) -> list[Registration]:
+        """The hooks of every module of ``model`` that reads something; ``modules`` maps the
+        sites' paths to modules."""
         if compiled:
             # torch function modes would break a compiled graph: no attention logits, and no
             # residual read from inside a forward, on compiled models
             for site in self.sites.values():
                 site.attention, site.inside = [], {}
-        return [
-            r for path, site in self.sites.items() for r in self._site(modules[path], site, path)
-        ]
+        everyone = bool(self.outputs or self.gradients.actions)
+        # by module: the module, its index in ``model.modules()``, its sites
+        found: dict[int, tuple[nn.Module, int | None, list[tuple[str, Site]]]] = {}
+        if everyone:
+            found = {id(m): (m, i, []) for i, m in enumerate(model.modules())}
+        for path, site in self.sites.items():
+            module = modules[path]
+            found.setdefault(id(module), (module, None, []))[2].append((path, site))
+        return [r for m, i, sites in found.values() for r in self._module(m, i, sites)]
 
-    def _site(self, module: nn.Module, site: Site, path: str) -> list[Registration]:
+    def _module(
+        self, module: nn.Module, index: int | None, sites: list[tuple[str, Site]]
+    ) -> list[Registration]:
+        recording, outputs, gradients = self.recording, self.outputs, self.gradients
+        watch = index is not None and bool(gradients.actions)
+
         def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if not self.recording():
+            if not recording():
                 return
-            call = self.calls[path] = self.calls.get(path, -1) + 1
-            for read in site.pre:
-                if read.call == call:
-                    read((args, kwargs))
-            modes: list[TorchFunctionMode] = []
-            if site.inside.get(call):
-                modes.append(AddCounter(site.inside[call]))
-            if site.attention:
-                modes.append(AttentionLogits(site.attention, site.heads))
-            for mode in modes:
-                mode.__enter__()  # type: ignore[no-untyped-call]
-            if modes:
-                self.modes[path] = modes
+            if watch:  # before the module runs: its inputs as they are called
+                gradients.watch(index, "input", (args, kwargs))  # type: ignore[arg-type]
+            for path, site in sites:
+                self._enter(path, site, args, kwargs)
 
         def post(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-            for mode in reversed(self.modes.pop(path, [])):
-                mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-            if not self.recording():
+            for path, _ in sites:
+                for mode in reversed(self.modes.pop(path, [])):
+                    mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            if not recording():
                 return
-            call = self.calls.get(path, 0)
-            for read in site.post:
-                if read.call == call:
-                    read(out)
+            for path, site in sites:
+                call = self.calls.get(path, 0)
+                for read in site.post:
+                    if read.call == call:
+                        read(out)
+            if index is not None:
+                for action in outputs:
+                    action(index, out)
+                if watch:
+                    gradients.watch(index, "output", out)
 
-        return [
-            partial(module.register_forward_pre_hook, ProbeHook(pre), with_kwargs=True),
+        registrations: list[Registration] = []
+        if watch or sites:
+            registrations.append(
+                partial(module.register_forward_pre_hook, ProbeHook(pre), with_kwargs=True)
+            )
+        registrations.append(
             partial(
                 module.register_forward_hook, ProbeHook(post), with_kwargs=True, always_call=True
-            ),
-        ]
+            )
+        )
+        return registrations
+
+    def _enter(self, path: str, site: Site, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A recorded call of the module at ``path`` starts: its reads of the inputs, and the
+        modes that read inside it."""
+        call = self.calls[path] = self.calls.get(path, -1) + 1
+        for read in site.pre:
+            if read.call == call:
+                read((args, kwargs))
+        modes: list[TorchFunctionMode] = []
+        if site.inside.get(call):
+            modes.append(AddCounter(site.inside[call]))
+        if site.attention:
+            modes.append(AttentionLogits(site.attention, site.heads))
+        for mode in modes:
+            mode.__enter__()  # type: ignore[no-untyped-call]
+        if modes:
+            self.modes[path] = modes
 
 
 class Armed:

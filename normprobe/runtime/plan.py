@@ -7,18 +7,16 @@ import math
 import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from functools import partial
 from typing import Any, Literal
 
 from torch import nn
 
-from .. import tags
+from .. import probes, tags
 from ..common import is_writer, spread
 from ..discovery import Attention, DiscoveryWarning, ModelMap, NormLayer, Stack
 from ..metrics.base import Family, GradientReader, Measured, Out, Reader, Reduce, Slot, Values
 from ..sinks import Record
-from .backward import Gradients
-from .hooks import Hooks, ProbeHook, Read, Registration
+from .hooks import Hooks, Read, Registration
 from .packing import Layout
 
 Callback = Callable[[], None]
@@ -68,7 +66,9 @@ class ProbePlan:
         kept = tagged_paths([a.path for a in model_map.attention], max_block_tags)
         self.attention: Sequence[Attention] = [a for a in model_map.attention if a.path in kept]
         self._heads = {a.path: a.heads for a in model_map.attention}
-        self.param_reduce = param_reduce
+        # FSDP: each rank holds a shard of the parameters, whose statistics add up
+        sharded = param_reduce == "mean" and probes.is_sharded(model)
+        self.param_reduce: Reduce = "sum" if sharded else param_reduce
         self.compiled = compiled
         self.measured = measured
         self.hooks = hooks
@@ -77,8 +77,6 @@ class ProbePlan:
         self.max_block_tags = max_block_tags
         self.callbacks: dict[str, list[tuple[Family, Callback]]] = {e: [] for e in EVENTS}
         self.recorders: list[tuple[Family, Recorder]] = []
-        self.outputs: list[Callable[[int, Any], None]] = []
-        self.gradients = Gradients()
         self.empty: list[Family] = []  # families that found nothing to read
         self._placements_written = False
         self._block_tags: dict[tuple[str, str], tuple[str, list[tuple[int, str]]]] = {}
@@ -124,15 +122,16 @@ class ProbePlan:
         site.heads = self._heads[module]
 
     def read_outputs(self, action: Callable[[int, Any], None]) -> None:
-        self.outputs.append(action)
+        self.hooks.outputs.append(action)
 
     def read_gradients(self, action: GradientReader) -> None:
         if self.compiled:
             return  # a tensor hook registered inside a compiled graph breaks it
-        if not self.gradients.actions:
-            self._on("forward_start", self.gradients.start)
-            self._on("clear", self.gradients.stop)
-        self.gradients.actions.append(action)
+        gradients = self.hooks.gradients
+        if not gradients.actions:
+            self._on("forward_start", gradients.start)
+            self._on("clear", gradients.stop)
+        gradients.actions.append(action)
 
     def at_forward_start(self, fn: Callback) -> None:
         self._on("forward_start", fn)
@@ -182,16 +181,8 @@ class ProbePlan:
             if family.validation or not validation:
                 fn()
 
-    def registrations(self, recording: Callable[[], bool]) -> list[Registration]:
-        plan = self.hooks.registrations(dict(self.modules), self.compiled)
-        for action in self.outputs:
-            for index, m in enumerate(self.model.modules()):
-                plan.append(
-                    partial(
-                        m.register_forward_hook, ProbeHook(_output_reader(index, action, recording))
-                    )
-                )
-        return plan + self.gradients.registrations(list(self.model.modules()), recording)
+    def registrations(self) -> list[Registration]:
+        return self.hooks.registrations(self.model, self.modules, self.compiled)
 
     def record(self, values: Values, step: int, writes: bool) -> Record:
         out = RecordOut(Record(step), writes, self)
@@ -268,16 +259,6 @@ class RecordOut:
 
     def vector(self, series: str, subject: str, values: Sequence[float]) -> None:
         self.record.profiles[f"{tags.PREFIX}/{series}/{subject}"] = list(values)
-
-
-def _output_reader(
-    index: int, action: Callable[[int, Any], None], recording: Callable[[], bool]
-) -> Callable[..., None]:
-    def read(mod: nn.Module, args: Any, out: Any) -> None:
-        if recording():
-            action(index, out)
-
-    return read
 
 
 def _unwrapped(path: str) -> str:

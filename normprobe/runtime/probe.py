@@ -11,17 +11,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import probes, tags
-from ..common import check_every, is_writer, world_size
+from .. import tags
+from ..common import check_every, is_writer
 from ..discovery import DiscoveryWarning, ModelMap, discover
 from ..metrics import METRICS, chosen, family
 from ..metrics.base import Reduce
 from ..sinks import Record, Sink
-from .hooks import Armed, Hooks, OptimizerSteps, ProbeHook
-from .modes import exit_modes
-from .packing import Measurements, read_back
+from .forward import Forwards
+from .hooks import OptimizerSteps, ProbeHook
+from .packing import read_back
 from .plan import ProbePlan
-from .spikes import SpikeDetector, Spikes, SpikeWatch
+from .spikes import Spikes, SpikeWatch
 
 
 class Probe:
@@ -67,22 +67,20 @@ class Probe:
         self.step_count = start_step
         self.phase = _phase % every
         self.name_prefix = _name_prefix
-        self.param_reduce: Reduce = _param_reduce
+        self._param_reduce = _param_reduce
         self.persistent_hooks = persistent_hooks
         self.spikes = spikes
         self.paused = False
         self.model_map: ModelMap | None = None
         self.latest: Record | None = None
         self._plan: ProbePlan | None = None
-        self._measured = Measurements()
-        self._hooks = Hooks(lambda: self._recording)
-        self._armed = Armed()
+        self._forwards = Forwards(persistent_hooks)
+        self._measured = self._forwards.measured
         self._spikes: SpikeWatch | None = None
         self._logged = self._is_logged(start_step)
-        self._recording = False
         self._validating = False
         self._removed = False
-        self._forwards = self._steps_ended = 0  # for the warning when nothing was logged
+        self._forward_count = self._steps_ended = 0  # for the warning when nothing was logged
         self._handles = [model.register_forward_pre_hook(ProbeHook(self._root_pre))]
         if optimizer is not None:
             self._steps = OptimizerSteps(optimizer, self.before_optimizer_step, self._next_step)
@@ -110,33 +108,22 @@ class Probe:
         self._handles.append(self._discovery_hook)
 
     def _install(self, model_map: ModelMap) -> None:
-        if self.param_reduce == "mean" and probes.is_sharded(self.model):
-            self.param_reduce = "sum"  # FSDP: each rank holds a shard of the parameters
-        plan = ProbePlan(
+        plan = self._forwards.install(
             self.model,
             model_map,
-            hooks=self._hooks,
-            measured=self._measured,
+            (family(name) for name in self.metrics),
+            self._root_post,
             max_block_tags=self.max_block_tags,
-            param_reduce=self.param_reduce,
-            compiled=self.persistent_hooks,
+            param_reduce=self._param_reduce,
             name_prefix=self.name_prefix,
         )
-        plan.install(family(name) for name in self.metrics)
-        root_post = ProbeHook(self._root_post)  # last: after every read of the root's output
-        self._armed.registrations = [
-            *plan.registrations(lambda: self._recording),
-            lambda: self.model.register_forward_hook(root_post, always_call=True),
-        ]
         self.model_map, self._plan = model_map, plan
-        detector = None
-        if self.spikes is not None and world_size() == 1:
-            # under torch.distributed the ranks would have to agree on every step's verdict
-            detector = SpikeDetector.of(self.spikes, self.model, plan)
-        if detector is not None:  # a compiled model's output is not read: no hook added later
-            self._spikes = SpikeWatch(detector, self.model, self.sinks, not self.persistent_hooks)
-        if self.persistent_hooks or self._logged:
-            self._armed.arm()
+        # a compiled model's output is not read for its loss: no hook added later
+        self._spikes = SpikeWatch.of(
+            self.spikes, self.model, plan, self.sinks, not self.persistent_hooks
+        )
+        if self.persistent_hooks or self._logged:  # last: the root's hook ends every read
+            self._forwards.armed.arm()
         plan.warn_missing(every_family=set(self.metrics) == set(METRICS))
 
     # the schedule ------------------------------------------------------------------------------
@@ -148,7 +135,7 @@ class Probe:
         return -1 if self._spikes is None else self._spikes.capture_until
 
     def _root_pre(self, *_: Any) -> None:
-        self._forwards += 1
+        self._forward_count += 1
         if self.optimizer is not None:
             self._steps.forward_started()
         self.start_forward()
@@ -159,47 +146,16 @@ class Probe:
         The probe calls it from a hook on the model; a driver whose own hook runs first (and
         attaches the probe there) calls it for that forward.
         """
-        if self._recording or self.persistent_hooks:
-            # the last recorded forward never reached its end (a KeyboardInterrupt skips even
-            # always_call hooks): drop what it measured and the modes it left entered
-            self._clear()
-        if self.persistent_hooks:
-            # Compiled models: every forward runs the same hooks on the same Python state, so
-            # the graph never changes; only the logged steps' values are read back.
-            self._recording = self._plan is not None and not self._removed
-        else:
-            wanted = self._validating or (self._logged and not self.paused)
-            self._recording = wanted and not self._removed and self._plan is not None
-        if self._recording and self._plan is not None:
-            # of several forwards in a step (accumulation), the last counts
-            self._hooks.start()
-            self._plan.run("forward_start")
-            if not self.persistent_hooks:
-                self._armed.arm()
+        wanted = self.persistent_hooks or self._validating or (self._logged and not self.paused)
+        self._forwards.start(wanted and not self._removed)
 
     def _root_post(self, module: nn.Module, args: Any, out: Any) -> None:
         self._validating = False
-        if self._plan is not None and self._recording:
-            self._plan.run("forward_end")
-        if out is None and sys.exc_info()[0] is not None and not self.persistent_hooks:
-            # the forward raised (torch runs always_call hooks with no output): what it
-            # measured must not mix with a retried forward's; what earlier steps logged is
-            # put on disk, in case this ends the training
-            self._clear()
-            if is_writer():
-                for sink in self.sinks:
-                    sink.flush()
-        if not self.persistent_hooks:
-            self._recording = False
-            exit_modes(self._hooks.entered())
-            if self.every > 1:  # logging every step: keep the hooks for the next one
-                self._armed.disarm()
-
-    def _clear(self) -> None:
-        self._measured.clear()
-        exit_modes(self._hooks.entered())
-        if self._plan is not None:
-            self._plan.run("clear")
+        if self._forwards.end(out, keep_armed=self.every == 1) and is_writer():
+            # the forward raised: what earlier steps logged is put on disk, in case this ends
+            # the training
+            for sink in self.sinks:
+                sink.flush()
 
     def _next_step(self) -> None:
         self.end_step()
@@ -218,7 +174,7 @@ class Probe:
         else:  # the driver's cadence, and the steps after a spike
             self._logged = logged or step <= self._captured()
         if self._logged and self._plan is not None and not self._removed:
-            self._armed.arm()
+            self._forwards.armed.arm()
 
     def before_optimizer_step(self) -> None:
         """Read gradients and gains, and keep what the update ratio compares against; check
@@ -228,12 +184,13 @@ class Probe:
         if self._logged and self._plan is not None:
             self._plan.run("before_step")
 
-    def end_step(self) -> None:
+    def end_step(self, stepped: bool = True) -> None:
         """After the optimizer step: measure the update and write the step (if logged), and
-        the spikes found since the last step."""
+        the spikes found since the last step. ``stepped``: an optimizer step ran."""
         self._steps_ended += 1
         if self._logged and self._plan is not None:
-            self._plan.run("after_step")
+            if stepped:
+                self._plan.run("after_step")
             self.flush()
         if self._spikes is not None:
             self._spikes.write(self.step_count)
@@ -242,7 +199,7 @@ class Probe:
         """Record BatchNorm statistics on the next forward; `flush_validation` writes them."""
         self._validating = True
         if self._plan is not None and not self._removed:
-            self._armed.arm()
+            self._forwards.armed.arm()
 
     def flush_validation(self) -> None:
         """Write what the validation forward measured, as ``normprobe/val_bn_*`` tags."""
@@ -258,23 +215,16 @@ class Probe:
             raise RuntimeError(
                 "this probe advances with its optimizer's step(); don't call probe.step() too"
             )
-        self._steps_ended += 1
         self.before_optimizer_step()
-        if self._logged and self._plan is not None:
-            self.flush()
-        if self._spikes is not None:
-            self._spikes.write(self.step_count)
+        self.end_step(stepped=False)
         self.begin_step(self.step_count + 1)
 
     # spikes --------------------------------------------------------------------------------------
     def observe_loss(self, loss: torch.Tensor) -> None:
-        """Hand the spike detector this step's training loss (in a plain loop, once the loss is
-        computed; several calls in a step, as with gradient accumulation, are averaged).
-
-        A model whose output carries its loss (``.loss`` or ``["loss"]``, as Hugging Face models
-        return it given labels) needs no call; once called, the model's output is no longer read.
-        Without either, only the gradient norm is watched. Nothing is read back here.
-        """
+        """Hand the spike detector this step's training loss (several in a step are averaged);
+        nothing is read back here. Not needed when the model's output carries its loss
+        (``.loss`` or ``["loss"]``, as Hugging Face models give it); without either, only the
+        gradient norm is watched."""
         if self._spikes is not None:
             self._spikes.observe_loss(loss)
 
@@ -292,7 +242,7 @@ class Probe:
         plan.run("flush", validation)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         values = read_back(self._measured, plan.layout, device, validation)
-        self._clear()
+        self._forwards.clear()
         if values is None:
             return
         writes = is_writer()
@@ -316,13 +266,11 @@ class Probe:
         if self._removed:
             return
         self._removed = True
-        self._recording = False
         # removed while an exception propagates: that exception is the story, not the steps
         unwinding = sys.exc_info()[0] is not None
-        if self._forwards and not self._steps_ended and not unwinding and is_writer():
-            _warn_no_step(self.model, self._forwards, self.optimizer is not None)
-        exit_modes(self._hooks.entered())
-        self._armed.disarm()
+        if self._forward_count and not self._steps_ended and not unwinding and is_writer():
+            _warn_no_step(self.model, self._forward_count, self.optimizer is not None)
+        self._forwards.stop()
         if self._spikes is not None:
             self._spikes.remove(unwinding)  # the last steps' verdicts, still on their way
         for h in self._handles:

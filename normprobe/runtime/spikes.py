@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .. import probes, tags
+from ..common import world_size
 from ..metrics.base import Plan
 from ..metrics.spikes import BlockRise, SpikeEvent, Watched
 from ..sinks import Record, Sink
@@ -302,6 +303,22 @@ class SpikeWatch:
         self._output_hook = (
             model.register_forward_hook(ProbeHook(self._output_loss)) if read_output else None
         )
+
+    @staticmethod
+    def of(
+        spikes: Spikes | None,
+        model: nn.Module,
+        plan: Plan,
+        sinks: Sequence[Sink],
+        read_output: bool,
+    ) -> SpikeWatch | None:
+        """The watch of ``model`` mapped by ``plan``, or None: ``spikes`` is None, nothing
+        trains, or the model trains under torch.distributed (the ranks would have to agree on
+        every step's verdict)."""
+        if spikes is None or world_size() > 1:
+            return None
+        detector = SpikeDetector.of(spikes, model, plan)
+        return None if detector is None else SpikeWatch(detector, model, sinks, read_output)
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         self._stop_reading_output()

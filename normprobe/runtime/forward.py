@@ -1,0 +1,109 @@
+"""One forward of a probed model: whether it is recorded, and what starts and ends with it."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+from ..discovery import ModelMap
+from ..metrics.base import Family, Reduce
+from .hooks import Armed, Hooks, ProbeHook
+from .modes import exit_modes
+from .packing import Measurements
+from .plan import ProbePlan
+
+
+class Forwards:
+    """Records the forwards a probe asks for.
+
+    Between recorded forwards the reading hooks are removed (`Armed`), unless ``persistent``
+    (compiled models, whose graph must not change): then they stay registered, every forward is
+    recorded alike and only the logged steps' values are read back.
+    """
+
+    def __init__(self, persistent: bool) -> None:
+        self.persistent = persistent
+        self.recording = False
+        self.measured = Measurements()
+        self.hooks = Hooks(lambda: self.recording)
+        self.armed = Armed()
+        self.plan: ProbePlan | None = None
+
+    def install(
+        self,
+        model: nn.Module,
+        model_map: ModelMap,
+        families: Iterable[Family],
+        root_post: Callable[..., None],
+        *,
+        max_block_tags: int,
+        param_reduce: Reduce,
+        name_prefix: str,
+    ) -> ProbePlan:
+        """Plan what ``families`` read on the mapped model (`ProbePlan`), and read it;
+        ``root_post`` ends each forward (registered last: it runs after every read of the
+        model's output; `Armed.arm` registers them)."""
+        plan = ProbePlan(
+            model,
+            model_map,
+            hooks=self.hooks,
+            measured=self.measured,
+            max_block_tags=max_block_tags,
+            param_reduce=param_reduce,
+            compiled=self.persistent,
+            name_prefix=name_prefix,
+        )
+        plan.install(families)
+        self.armed.registrations = [
+            *plan.registrations(),
+            lambda: model.register_forward_hook(ProbeHook(root_post), always_call=True),
+        ]
+        self.plan = plan
+        return plan
+
+    def start(self, wanted: bool) -> None:
+        """A forward starts; ``wanted``: the probe records it (a logged step, a validation
+        forward; with ``persistent``, any forward of an attached probe)."""
+        if self.recording or self.persistent:
+            # the last recorded forward never reached its end (a KeyboardInterrupt skips even
+            # always_call hooks): drop what it measured and the modes it left entered
+            self.clear()
+        self.recording = wanted and self.plan is not None
+        if self.recording and self.plan is not None:
+            # of several forwards in a step (accumulation), the last counts
+            self.hooks.start()
+            self.plan.run("forward_start")
+            if not self.persistent:
+                self.armed.arm()
+
+    def end(self, out: Any, keep_armed: bool) -> bool:
+        """The forward ended with ``out`` (None when it raised); ``keep_armed``: the next step is
+        logged too. True when it raised and what it measured was dropped."""
+        if self.plan is not None and self.recording:
+            self.plan.run("forward_end")
+        raised = out is None and sys.exc_info()[0] is not None and not self.persistent
+        if raised:
+            # what it measured must not mix with a retried forward's
+            self.clear()
+        if not self.persistent:
+            self.recording = False
+            exit_modes(self.hooks.entered())
+            if not keep_armed:
+                self.armed.disarm()
+        return raised
+
+    def clear(self) -> None:
+        """Drop what the step measured so far, and leave the modes still entered."""
+        self.measured.clear()
+        exit_modes(self.hooks.entered())
+        if self.plan is not None:
+            self.plan.run("clear")
+
+    def stop(self) -> None:
+        """The probe is removed: nothing more is recorded, no hook stays."""
+        self.recording = False
+        exit_modes(self.hooks.entered())
+        self.armed.disarm()
