@@ -129,10 +129,14 @@ class Hooks:
         def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not recording():
                 return
-            if watch:  # before the module runs: its inputs as they are called
-                gradients.watch(index, "input", (args, kwargs))  # type: ignore[arg-type]
-            for path, site in sites:
-                self._enter(path, site, args, kwargs)
+            # the reads go around the modes a parent module entered: they are not the model's
+            # operations, and would cost a Python call each
+            with torch._C.DisableTorchFunction():
+                if watch:  # before the module runs: its inputs as they are called
+                    gradients.watch(index, "input", (args, kwargs))  # type: ignore[arg-type]
+                calls = [self._read_inputs(path, site, (args, kwargs)) for path, site in sites]
+            for (path, site), call in zip(sites, calls, strict=True):
+                self._enter_modes(path, site, call)
 
         def post(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
             for path, _ in sites:
@@ -140,16 +144,17 @@ class Hooks:
                     mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
             if not recording():
                 return
-            for path, site in sites:
-                call = self.calls.get(path, 0)
-                for read in site.post:
-                    if read.call == call:
-                        read(out)
-            if index is not None:
-                for action in outputs:
-                    action(index, out)
-                if watch:
-                    gradients.watch(index, "output", out)
+            with torch._C.DisableTorchFunction():
+                for path, site in sites:
+                    call = self.calls.get(path, 0)
+                    for read in site.post:
+                        if read.call == call:
+                            read(out)
+                if index is not None:
+                    for action in outputs:
+                        action(index, out)
+                    if watch:
+                        gradients.watch(index, "output", out)
 
         registrations: list[Registration] = []
         if watch or sites:
@@ -163,13 +168,17 @@ class Hooks:
         )
         return registrations
 
-    def _enter(self, path: str, site: Site, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A recorded call of the module at ``path`` starts: its reads of the inputs, and the
-        modes that read inside it."""
+    def _read_inputs(self, path: str, site: Site, inputs: Any) -> int:
+        """A recorded call of the module at ``path`` starts: count it and read its inputs; the
+        number of the call."""
         call = self.calls[path] = self.calls.get(path, -1) + 1
         for read in site.pre:
             if read.call == call:
-                read((args, kwargs))
+                read(inputs)
+        return call
+
+    def _enter_modes(self, path: str, site: Site, call: int) -> None:
+        """Enter the modes that read inside the module's call number ``call``."""
         modes: list[TorchFunctionMode] = []
         if site.inside.get(call):
             modes.append(AddCounter(site.inside[call]))
