@@ -232,9 +232,13 @@ class TensorBoardSink:
         self._drawn_heads.discard(key)
 
     def _remember(self, record: Record) -> None:
+        step, history = record.step, self._history
         for tag, value in record.scalars.items():
-            self._first.setdefault(tag, (record.step, value))
-            self._history.setdefault(tag, deque(maxlen=HISTORY)).append((record.step, value))
+            kept = history.get(tag)
+            if kept is None:
+                kept = history[tag] = deque(maxlen=HISTORY)
+                self._first[tag] = (step, value)
+            kept.append((step, value))
 
     def _draw(self, images: bool = True) -> None:
         """Rewrite the flags if they changed, and (with ``images``) the heatmaps that have new

@@ -12,6 +12,7 @@ the end of the step, silences them.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -61,7 +62,7 @@ class Gradients:
 
     def watch(self, index: int, side: Side, tensors: Any) -> None:
         """Hand module ``index``'s gradients w.r.t. ``tensors`` (its inputs or its output) on."""
-        for _, t in iter_tensors(tensors):
+        for t in _tensors(tensors):
             if t.grad_fn is None or not t.is_floating_point():
                 continue
             seen = self._watched.get(id(t))
@@ -72,6 +73,22 @@ class Gradients:
             watchers: Watchers = [(index, side)]
             self._watched[id(t)] = (weakref.ref(t), watchers)
             t.register_hook(partial(_gradient, self._forward, watchers, self.actions))  # type: ignore[no-untyped-call]
+
+
+def _tensors(tensors: Any) -> Iterable[torch.Tensor]:
+    """The tensors in a module's (args, kwargs) or output; at once in the common cases, a
+    tensor or positional tensors alone."""
+    if isinstance(tensors, torch.Tensor):
+        return (tensors,)
+    if isinstance(tensors, tuple) and len(tensors) == 2 and isinstance(tensors[1], dict):
+        args = tensors[0]
+        if (
+            not tensors[1]
+            and isinstance(args, tuple)
+            and all(isinstance(a, torch.Tensor) for a in args)
+        ):
+            return args
+    return (t for _, t in iter_tensors(tensors))
 
 
 def _gradient(
