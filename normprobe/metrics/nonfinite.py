@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +35,7 @@ class NonFinite(Family):
         paths = list(plan.modules_in_order)
         slot = plan.slot(len(paths), "min")  # per module: its rank in execution order, or inf
         seen: set[int] = set()
-        summed: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}  # by id(output)
+        last: list[torch.Tensor] = []  # the output read last, and its sum
         read_modules: list[int] = []  # in the order they ran (each module's first call)
         sums: list[torch.Tensor] = []  # the finite sum of each one's output
         warned = [False]
@@ -47,13 +46,13 @@ class NonFinite(Family):
             if isinstance(out, torch.Tensor):
                 if not out.is_floating_point():
                     return
-                # a module that returns what its last child returned: summed once
-                known = summed.get(id(out))
-                if known is not None and known[0]() is out:
-                    total = known[1]
+                # a module that returns what its last child returned (read just before): summed
+                # once
+                if last and last[0] is out:
+                    total = last[1]
                 else:
                     total = probes.finite_sum(out)
-                    summed[id(out)] = (weakref.ref(out), total)
+                    last[:] = [out, total]
             else:
                 floats = [t for _, t in iter_tensors(out) if t.is_floating_point()]
                 if not floats:
@@ -72,7 +71,7 @@ class NonFinite(Family):
 
         def clear() -> None:
             seen.clear()
-            summed.clear()
+            last.clear()
             read_modules.clear()
             sums.clear()
 
