@@ -43,6 +43,18 @@ class Claim:
     setting: str
 
 
+@dataclass(frozen=True)
+class Size:
+    """The model and training sizes of a claim run on one TinyTransformer depth."""
+
+    width: int
+    depth: int
+    heads: int
+    context: int
+    batch: int
+    steps: int
+
+
 def options(claim: Claim, seeds: int = 3) -> argparse.ArgumentParser:
     """The command line every claim script shares; a script adds its own options."""
     parser = argparse.ArgumentParser(description=f"{claim.statement} ({claim.source})")

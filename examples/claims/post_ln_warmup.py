@@ -40,18 +40,8 @@ PROBE_EVERY = 25
 FINAL_STEPS = 20
 
 
-@dataclass(frozen=True)
-class Size:
-    width: int
-    depth: int
-    heads: int
-    context: int
-    batch: int
-    steps: int
-
-
-FULL = Size(width=64, depth=6, heads=4, context=32, batch=16, steps=400)
-QUICK = Size(width=16, depth=2, heads=2, context=16, batch=4, steps=30)
+FULL = _claims.Size(width=64, depth=6, heads=4, context=32, batch=16, steps=400)
+QUICK = _claims.Size(width=16, depth=2, heads=2, context=16, batch=4, steps=30)
 PLACEMENTS: dict[str, Placement] = {"Post-LN": "post", "Pre-LN": "pre"}
 
 
@@ -67,7 +57,9 @@ class Runs:
     ratio_series: list[list[tuple[int, float]]]
 
 
-def train(size: Size, placement: Placement, warmup: int, lr: float, seeds: int, label: str) -> Runs:
+def train(
+    size: _claims.Size, placement: Placement, warmup: int, lr: float, seeds: int, label: str
+) -> Runs:
     vocab = CharCorpus(context=size.context).vocab_size
     runs = Runs(label, [], [], [], [], [])
     ratio_tag = tags.format("grad_ratio", "blocks")

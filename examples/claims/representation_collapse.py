@@ -46,18 +46,8 @@ VARIANTS = ("Pre-LN", "Post-LN", "DeepNorm")
 LR = 1e-3
 
 
-@dataclass(frozen=True)
-class Size:
-    width: int
-    depth: int
-    heads: int
-    context: int
-    batch: int
-    steps: int
-
-
-FULL = Size(width=32, depth=24, heads=4, context=32, batch=16, steps=300)
-QUICK = Size(width=16, depth=6, heads=2, context=16, batch=4, steps=20)
+FULL = _claims.Size(width=32, depth=24, heads=4, context=32, batch=16, steps=300)
+QUICK = _claims.Size(width=16, depth=6, heads=2, context=16, batch=4, steps=20)
 
 
 @dataclass
@@ -83,7 +73,7 @@ def at_step(trained: _claims.Trained, tag: str, step: int) -> float:
     return dict(trained.series(tag))[step]
 
 
-def measure(variant: str, size: Size, seeds: int) -> Profiles:
+def measure(variant: str, size: _claims.Size, seeds: int) -> Profiles:
     vocab = CharCorpus(context=size.context).vocab_size
     found = Profiles(variant, [], [], [], [], [], [])
     last = size.steps - 1
