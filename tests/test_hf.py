@@ -27,7 +27,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from normprobe.hf import NormProbeCallback  # noqa: E402
 
 
-def _args(out: Path, **kw: Any) -> TrainingArguments:
+def _args(out: Path, config: type[Any] = TrainingArguments, **kw: Any) -> Any:
+    """``config`` (TrainingArguments, or a subclass such as TRL's SFTConfig) for a short CPU run
+    logging to TensorBoard; ``kw`` add to and override the defaults."""
     base: dict[str, Any] = dict(
         output_dir=str(out),
         per_device_train_batch_size=4,
@@ -36,7 +38,7 @@ def _args(out: Path, **kw: Any) -> TrainingArguments:
         save_strategy="no",
         disable_tqdm=True,
     )
-    return TrainingArguments(**{**base, **kw})
+    return config(**{**base, **kw})
 
 
 def _gpt2() -> tuple[nn.Module, list[dict[str, torch.Tensor]]]:
@@ -206,16 +208,7 @@ def test_trl_sft_trainer_logs_beside_its_loss(tmp_path: Path) -> None:
     data = datasets.Dataset.from_dict(
         {"input_ids": [torch.randint(0, 61, (16,)).tolist() for _ in range(32)]}
     )
-    args = trl.SFTConfig(
-        output_dir=str(tmp_path),
-        max_steps=4,
-        logging_steps=2,
-        per_device_train_batch_size=4,
-        report_to=["tensorboard"],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = _args(tmp_path, trl.SFTConfig, max_steps=4, logging_steps=2)
     callback = NormProbeCallback()
     trainer = trl.SFTTrainer(
         model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[callback]
