@@ -434,10 +434,12 @@ def outlier_parts(x: torch.Tensor) -> OutlierParts:
     return x.amax(dim=others), x.amin(dim=others), x.square().sum(dim=others), median
 
 
-def outlier_stats_many(parts: Sequence[OutlierParts]) -> torch.Tensor:
+def outlier_stats_many(
+    highest: torch.Tensor, lowest: torch.Tensor, power: torch.Tensor, median: torch.Tensor
+) -> torch.Tensor:
     """(max |x| / median nonzero |x|, the channel holding that max, the kurtosis of the
-    channels' RMS) of each activation's `outlier_parts` (all with as many channels), as an
-    (n, 3) float32 tensor.
+    channels' RMS) from `outlier_parts`, as float32: three values, or ``(n, 3)`` for the parts
+    of ``n`` activations stacked (channels along the last axis).
 
     The ratio's median is `outlier_parts`' (sampled beyond `MEDIAN_SAMPLE` entries; torch's, the
     lower middle value of an even count); the ratio is NaN when no sampled entry is nonzero.
@@ -445,15 +447,14 @@ def outlier_stats_many(parts: Sequence[OutlierParts]) -> torch.Tensor:
     other positions, the kurtosis mean(s^4) / mean(s^2)^2 is 1 when every channel has the same
     RMS and the number of channels when one holds everything.
     """
-    highest, lowest, power, median = (torch.stack(column) for column in zip(*parts, strict=True))
-    top, channel = torch.maximum(highest, -lowest).max(dim=1)
+    top, channel = torch.maximum(highest, -lowest).max(dim=-1)
     # the sums of squares scaled by the largest, so that their squares cannot overflow float32
-    power = power / power.amax(dim=1, keepdim=True)
-    kurtosis = power.pow(2).mean(dim=1) / power.mean(dim=1).pow(2)
+    power = power / power.amax(dim=-1, keepdim=True)
+    kurtosis = power.pow(2).mean(dim=-1) / power.mean(dim=-1).pow(2)
     stats = [top / median, channel.to(top.dtype), kurtosis]
-    return torch.stack(stats, dim=1).float()
+    return torch.stack(stats, dim=-1).float()
 
 
 def outlier_stats(x: torch.Tensor) -> torch.Tensor:
     """`outlier_stats_many` of one activation: (ratio, channel, kurtosis)."""
-    return outlier_stats_many([outlier_parts(x)])[0]
+    return outlier_stats_many(*outlier_parts(x))

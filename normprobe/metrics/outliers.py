@@ -8,7 +8,7 @@ import torch
 
 from .. import probes
 from .base import SUSTAIN, Family, Flag, Out, Plan, Run, Series, Values, sustained
-from .streams import Streams
+from .streams import Streams, rowwise
 
 # Sun et al. 2024 ("Massive Activations in Large Language Models") call an activation massive
 # when it is about 1000x the median magnitude of its hidden state, and find 1000x-10000x in
@@ -60,7 +60,8 @@ class Outliers(Family):
             for stack, stack_reads in reads.items():
                 if stack_reads:
                     blocks = [b for b, _ in stack_reads]
-                    stats = _stats([p for _, p in stack_reads])  # (blocks, 3)
+                    # (blocks, 3), in one call when every block's stream has as many channels
+                    stats = rowwise(probes.outlier_stats_many, [p for _, p in stack_reads])
                     positions = [slot.offset + b for slot in slots[stack] for b in blocks]
                     plan.measured.put_at(positions, stats[:, [0, 1, 1, 2]].T.reshape(-1))
 
@@ -120,14 +121,6 @@ class Outliers(Family):
                 )
             )
         return found
-
-
-def _stats(parts: list[probes.OutlierParts]) -> torch.Tensor:
-    """`probes.outlier_stats_many` of blocks' `probes.outlier_parts`, in one call when every
-    block's stream has as many channels."""
-    if len({p[0].shape for p in parts}) == 1:
-        return probes.outlier_stats_many(parts)
-    return torch.cat([probes.outlier_stats_many([p]) for p in parts])
 
 
 def _channel(run: Run, stack: str, block: int, step: int) -> int | None:
