@@ -325,7 +325,8 @@ def test_no_activation_is_kept_on_unlogged_steps(tmp_path: Path) -> None:
             opt.zero_grad()
             gc.collect()
             assert outputs and all(ref() is None for ref in outputs)
-            assert not probe._measured.whole and not probe._measured.parts
+            measured = probe._forwards.measured
+            assert not measured.whole and not measured.parts
             assert not _tensors_held(probe)
     for h in handles:
         h.remove()

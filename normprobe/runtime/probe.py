@@ -75,7 +75,6 @@ class Probe:
         self.latest: Record | None = None
         self._plan: ProbePlan | None = None
         self._forwards = Forwards(persistent_hooks)
-        self._measured = self._forwards.measured
         self._spikes: SpikeWatch | None = None
         self._logged = self._is_logged(start_step)
         self._validating = False
@@ -241,7 +240,7 @@ class Probe:
             return
         plan.run("flush", validation)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        values = read_back(self._measured, plan.layout, device, validation)
+        values = read_back(self._forwards.measured, plan.layout, device, validation)
         self._forwards.clear()
         if values is None:
             return
