@@ -414,8 +414,8 @@ OutlierParts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 def outlier_parts(x: torch.Tensor) -> OutlierParts:
     """What `outlier_stats_many` needs of an activation with ``C`` channels along
     `feature_dim`: each channel's max, min and sum of squares over all other positions (three
-    ``C``-vectors), and the median nonzero |x| of an evenly strided sample of at most
-    `MEDIAN_SAMPLE` entries (NaN when the sample holds no nonzero entry).
+    ``C``-vectors), and a copy of an evenly strided sample of at most `MEDIAN_SAMPLE` entries,
+    whose median nonzero |x| `outlier_stats_many` takes (for many activations in one call).
 
     Reduced in float32 or wider; the max and min are exact in ``x``'s own dtype.
     """
@@ -423,31 +423,34 @@ def outlier_parts(x: torch.Tensor) -> OutlierParts:
     if x.ndim == 1:
         x = x.unsqueeze(0)  # one position
     wide, dim = _wide(x), feature_dim(x) % x.ndim
-    sample = x.reshape(-1)[:: sample_stride(x.shape, MEDIAN_SAMPLE)].abs().to(wide)
-    median = sample.masked_fill_(sample == 0, math.nan).nanmedian()
+    stride = sample_stride(x.shape, MEDIAN_SAMPLE)
+    sample = x.reshape(-1)[::stride].to(wide, copy=True)  # a copy: x may change in place later
     if x.dtype != wide:
         x = x.to(wide)
     if dim == x.ndim - 1:  # channels last: one row per position
         rows = x.reshape(-1, x.shape[-1])
-        return rows.amax(dim=0), rows.amin(dim=0), torch.linalg.vecdot(rows, rows, dim=0), median
+        return rows.amax(dim=0), rows.amin(dim=0), torch.linalg.vecdot(rows, rows, dim=0), sample
     others = [d for d in range(x.ndim) if d != dim]
-    return x.amax(dim=others), x.amin(dim=others), x.square().sum(dim=others), median
+    return x.amax(dim=others), x.amin(dim=others), x.square().sum(dim=others), sample
 
 
 def outlier_stats_many(
-    highest: torch.Tensor, lowest: torch.Tensor, power: torch.Tensor, median: torch.Tensor
+    highest: torch.Tensor, lowest: torch.Tensor, power: torch.Tensor, sample: torch.Tensor
 ) -> torch.Tensor:
     """(max |x| / median nonzero |x|, the channel holding that max, the kurtosis of the
     channels' RMS) from `outlier_parts`, as float32: three values, or ``(n, 3)`` for the parts
-    of ``n`` activations stacked (channels along the last axis).
+    of ``n`` activations stacked (channels and sampled entries along the last axis).
 
-    The ratio's median is `outlier_parts`' (sampled beyond `MEDIAN_SAMPLE` entries; torch's, the
-    lower middle value of an even count); the ratio is NaN when no sampled entry is nonzero.
+    The ratio's median is of the sample's nonzero |x| (the whole tensor up to `MEDIAN_SAMPLE`
+    entries; torch's median, the lower middle value of an even count); the ratio is NaN when no
+    sampled entry is nonzero.
     The channel is the first holding the largest |x|. With s_j the RMS of channel j over all
     other positions, the kurtosis mean(s^4) / mean(s^2)^2 is 1 when every channel has the same
     RMS and the number of channels when one holds everything.
     """
     top, channel = torch.maximum(highest, -lowest).max(dim=-1)
+    magnitude = sample.abs()
+    median = magnitude.masked_fill_(magnitude == 0, math.nan).nanmedian(dim=-1).values
     # the sums of squares scaled by the largest, so that their squares cannot overflow float32
     power = power / power.amax(dim=-1, keepdim=True)
     kurtosis = power.pow(2).mean(dim=-1) / power.mean(dim=-1).pow(2)

@@ -245,3 +245,13 @@ def test_large_streams_take_the_median_of_an_even_sample() -> None:
     exact = x.abs().flatten().median()
     assert float(median) == pytest.approx(float(exact), rel=0.05)
     assert float(exact) == pytest.approx(0.674, rel=0.02)
+
+
+def test_the_sample_is_a_copy_of_the_stream_when_read() -> None:
+    # the median is taken later, for every block at once: a stream changed in place after its
+    # read (an in-place add in an evaluation forward) must not change what was read
+    x = torch.tensor([[1.0, 2.0, 3.0, 8.0]])
+    parts = probes.outlier_parts(x)
+    x.zero_()
+    ratio, channel, _ = probes.outlier_stats_many(*parts).tolist()
+    assert (ratio, channel) == (4.0, 3.0)  # 8 over the lower middle of 1, 2, 3, 8
