@@ -10,7 +10,7 @@ comment above each builder. A few were then cross-checked by counting modules by
 Conventions used in ``Expected``:
 
 * ``norms``/``roles`` count every normalization layer in ``model.named_modules()``.
-* ``stacks`` lists the stacks that carry residual adds or norms, as ``path -> (blocks, placement)``.
+* ``stacks`` lists every stack discovery finds, as ``path -> (blocks, placement)``.
 * ``adds_per_stack`` gives the residual adds assigned to each listed stack (the innermost stack
   containing the add's ``branch_out`` layer); a listed stack holding no add's ``branch_out``
   (ConvNeXt's outer ``stages``, the seed's ``lns``) has 0.
@@ -874,7 +874,10 @@ def build_no_norm() -> tuple[nn.Module, tuple[object, ...], dict[str, object], E
 #   -> final (1).
 # - Residual adds: blocks 3 + refine 2 (module "refine", call 0 and call 1, ordinal 0 each) +
 #   if_pos 1 = 6. Only the 3 in `blocks` belong to a stack; refine/if_pos belong to no stack.
-# - Stack: `blocks` (3, pre-ln). refine/if_pos/if_neg are separate attributes, not a container.
+# - Stacks: `blocks` (3, pre-ln). refine/if_pos/if_neg are attributes of one class, not a
+#   container: refine runs twice in a chain (a repeated block: `refine`, 2) and hands its
+#   stream to if_pos (a run of attributes of one class that ran in a chain, with adds:
+#   `[refine..if_neg]`, 2, since if_neg never ran). Neither holds a norm -> no-norm.
 # - Attention: none. Head: `head`.
 def build_control_flow() -> tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]:
     model = ControlFlowNet()
@@ -882,7 +885,11 @@ def build_control_flow() -> tuple[nn.Module, tuple[object, ...], dict[str, objec
     exp = Expected(
         norms={"layernorm": 4},
         roles={"pre": 3, "final": 1},
-        stacks={"blocks": (3, "pre-ln")},
+        stacks={
+            "blocks": (3, "pre-ln"),
+            "refine": (2, "no-norm"),
+            "[refine..if_neg]": (2, "no-norm"),
+        },
         adds_per_stack={"blocks": 3},
         residual_adds=6,
         branch_out={

@@ -3,12 +3,14 @@ several times in a chain."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 from torch import nn
 
-from .trace import Graph
+from .trace import Call, Graph, Key
 
 _GENERIC = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -68,8 +70,9 @@ def structural_stacks(model: nn.Module) -> list[FoundStack]:
 def executed_stacks(
     candidates: list[FoundStack], g: Graph, has_adds: Callable[[str], bool]
 ) -> list[FoundStack]:
-    """Keep candidates whose blocks ran in a chain (block i+1 reads what block i wrote), and add
-    every module run several times in a chain; sorted by when their first block ran.
+    """Keep candidates whose blocks ran in a chain (block i+1 reads what block i wrote, through
+    an argument block i was given a tensor in), and add every module run several times in a
+    chain; sorted by when their first block ran.
 
     Blocks are put in execution order; expert lists and parallel heads, whose members all read
     the same input, are dropped. Blocks held by a plain module or a mixed container must
@@ -112,13 +115,40 @@ def _inside_repeated(path: str, repeated: set[str], calls_of: dict[str, list[int
 
 
 def _feeds(g: Graph, earlier: int, later: int) -> bool:
-    """Whether some output of call ``earlier`` reaches some input of call ``later``."""
-    outs = g.calls[earlier].out_nodes
+    """Whether some output of call ``earlier`` reaches call ``later`` through an argument that
+    ``earlier`` was given a tensor in: the stream passed on, not an encoder's output that a
+    decoder only reads for cross-attention."""
+    first, second = g.calls[earlier], g.calls[later]
+    outs = first.out_nodes
     if not outs:
         return False
     floor = min(outs) - 1
-    for inp in g.calls[later].in_nodes:
+    given = {_argument(first, key) for key in first.in_keys}
+    for inp, key in zip(second.in_nodes, second.in_keys, strict=True):
+        if _argument(second, key) not in given:
+            continue
         seen, _ = g.region(inp, floor)
         if any(o in seen for o in outs):
             return True
     return False
+
+
+def _argument(call: Call, key: Key) -> Key:
+    """``key`` (``(0, i, ...)`` for the i-th positional argument, ``(1, name, ...)`` for a
+    keyword) with a positional argument named as the forward names it, so that ``blk(h)`` and
+    ``blk(hidden_states=h)`` give one key."""
+    if len(key) >= 2 and key[0] == 0 and isinstance(key[1], int):
+        names = _positional_names(type(call.module))
+        if key[1] < len(names):
+            return (1, names[key[1]], *key[2:])
+    return key
+
+
+@cache
+def _positional_names(cls: type[nn.Module]) -> tuple[str, ...]:
+    try:
+        parameters = inspect.signature(cls.forward).parameters.values()
+    except (TypeError, ValueError):  # a forward inspect cannot read
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in kinds)[1:]  # without self

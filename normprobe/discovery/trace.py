@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.weight_norm import WeightNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
@@ -160,6 +162,19 @@ def replace_at(obj: Any, key: Key, value: Any) -> Any:
     return obj
 
 
+def applied_as(module: nn.Module, path: str, attr: str) -> tuple[str, str]:
+    """(module path, attribute) of the tensor a parameter is applied as: a parametrization's
+    ``original`` parameters (``conv.parametrizations.weight.original0``) and old-style weight
+    norm's ``weight_g`` and ``weight_v`` make the tensor they parametrize (``conv.weight``)."""
+    if isinstance(module, parametrize.ParametrizationList):
+        container, _, name = path.rpartition(".")
+        return container.rpartition(".")[0], name
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, WeightNorm) and attr in (f"{hook.name}_g", f"{hook.name}_v"):
+            return path, hook.name
+    return path, attr
+
+
 def first_float(obj: Any) -> torch.Tensor | None:
     """The first floating-point tensor in nested tuples, lists and dicts (or ``obj`` itself)."""
     first = obj  # the common case, a tensor first in (args, kwargs), without a generator
@@ -184,6 +199,7 @@ class Call:
     first_node: int  # nodes created during the call have ids >= first_node
     end_node: int = -1
     in_nodes: list[int] = field(default_factory=list)  # every floating-point tensor input
+    in_keys: list[Key] = field(default_factory=list)  # where each of them was passed
     out_nodes: list[int] = field(default_factory=list)  # every floating-point tensor output
     inputs: tuple[Any, Any] | None = None  # (args, kwargs), kept only for capture candidates
 
@@ -264,7 +280,7 @@ class _Recorder(TorchFunctionMode):
         self.owners: dict[int, list[tuple[str, str]]] = {}
         for name, m in model.named_modules(remove_duplicate=False):
             for attr, p in m.named_parameters(recurse=False):
-                self.owners.setdefault(id(p), []).append((name, attr))
+                self.owners.setdefault(id(p), []).append(applied_as(m, name, attr))
         self.ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.stack: list[int] = []
         self.call_counts: dict[str, int] = {}
@@ -355,7 +371,7 @@ class _Recorder(TorchFunctionMode):
             p = getattr(mod, name, None)
             if isinstance(p, torch.Tensor) and id(p) not in self.param_ids:
                 self.param_ids.add(id(p))
-                self.owners.setdefault(id(p), []).append((path, name))
+                self.owners.setdefault(id(p), []).append(applied_as(mod, path, name))
                 n = self._lookup(p)  # a view FSDP1 computed while this mode was on
                 if n is not None:
                     g.param_const[n] = True
@@ -367,8 +383,13 @@ class _Recorder(TorchFunctionMode):
             n = self.node(t, act=is_root)
             if t.is_floating_point():
                 call.in_nodes.append(n)
+                call.in_keys.append(key)
             g.boundary.setdefault(n, (len(g.boundary), "pre", cid, key))
-        if self.capture(mod) and index == 0:
+        # a parametrization (weight norm's, a user's) transforms parameters, not activations
+        parametrizing = any(
+            isinstance(g.calls[c].module, parametrize.ParametrizationList) for c in self.stack
+        )
+        if self.capture(mod) and index == 0 and not parametrizing:
             call.inputs = (args, kwargs)
         call.first_node = len(g.op)
         self.stack.append(cid)

@@ -1,0 +1,76 @@
+"""Discovery on layouts a sweep over Hugging Face architectures found mapped wrong: an encoder
+and a decoder of one class are no stack, and blocks LayerDrop skipped in the traced forward
+keep their place in their stack."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import normprobe
+
+
+class Block(nn.Module):
+    """``h + fc(ln(h))``, plus ``fc(memory)`` when given one (cross-attention's stand-in)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+        self.cross = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.fc(self.ln(x))
+        return h if memory is None else h + self.cross(memory)
+
+
+class Tower(nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, memory)
+        return x
+
+
+class EncoderDecoder(nn.Module):
+    """Two towers of one class side by side, as T5 holds its encoder and decoder: the decoder
+    reads the encoder's output only as ``memory``, its stream starts from its own input."""
+
+    def __init__(self, width: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.encoder = Tower(width, depth)
+        self.decoder = Tower(width, depth)
+
+    def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.decoder(target, memory=self.encoder(source))
+
+
+def _stacks(model: nn.Module, *args: torch.Tensor) -> dict[str, int]:
+    return {s.path: s.depth for s in normprobe.discover(model, *args).stacks}
+
+
+def test_an_encoder_and_a_decoder_of_one_class_are_no_stack() -> None:
+    x = torch.randn(2, 5, 8)
+    stacks = _stacks(EncoderDecoder(), x, x)
+    assert stacks == {"encoder.blocks": 3, "decoder.blocks": 3}
+
+
+class Chained(nn.Module):
+    """Towers chained on the stream (the second takes the first's output as its input): a stack
+    of two, whether the stream is passed by position or by name."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.first = Tower(width, 2)
+        self.second = Tower(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(x=self.first(x))
+
+
+def test_towers_chained_on_the_stream_stay_a_stack() -> None:
+    stacks = _stacks(Chained(), torch.randn(2, 5, 8))
+    assert stacks == {"": 2, "first.blocks": 2, "second.blocks": 2}  # the root holds both
