@@ -7,6 +7,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 from torch import nn
 
@@ -138,16 +139,16 @@ def _argument(call: Call, key: Key) -> Key:
     keyword) with a positional argument named as the forward names it, so that ``blk(h)`` and
     ``blk(hidden_states=h)`` give one key."""
     if len(key) >= 2 and key[0] == 0 and isinstance(key[1], int):
-        names = _positional_names(type(call.module))
+        names = _positional_names(type(call.module).forward)
         if key[1] < len(names):
             return (1, names[key[1]], *key[2:])
     return key
 
 
 @cache
-def _positional_names(cls: type[nn.Module]) -> tuple[str, ...]:
+def _positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:
     try:
-        parameters = inspect.signature(cls.forward).parameters.values()
+        parameters = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):  # a forward inspect cannot read
         return ()
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
