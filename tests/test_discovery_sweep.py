@@ -74,3 +74,54 @@ class Chained(nn.Module):
 def test_towers_chained_on_the_stream_stay_a_stack() -> None:
     stacks = _stacks(Chained(), torch.randn(2, 5, 8))
     assert stacks == {"": 2, "first.blocks": 2, "second.blocks": 2}  # the root holds both
+
+
+class SkipsInTraining(nn.Module):
+    """A stack whose second block is skipped in training, as LayerDrop may skip any block."""
+
+    def __init__(self, width: int = 8, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if self.training and i == 1:
+                continue
+            x = block(x)
+        return x
+
+
+def test_a_block_skipped_in_training_keeps_its_place() -> None:
+    model = SkipsInTraining().train()
+    m = normprobe.discover(model, torch.randn(2, 5, 8))
+    assert [(s.path, s.depth) for s in m.stacks] == [("blocks", 4)]
+    assert len(m.adds_in("blocks")) == 4  # the skipped block's add is known too
+    assert model.training and all(b.training for b in model.blocks)  # the mode is restored
+
+
+def test_layerdrop_in_wav2vec2_loses_no_block() -> None:
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    config = Wav2Vec2Config(
+        vocab_size=32,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=4,
+        mask_time_prob=0.0,
+        layerdrop=0.5,  # half the layers skipped in a training forward, on average
+    )
+    torch.manual_seed(0)
+    model = Wav2Vec2ForCTC(config).train()
+    x = torch.randn(2, 1000)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        m = normprobe.discover(model, x)
+        layers = m.stack("wav2vec2.encoder.layers")
+        assert layers.blocks == tuple(f"wav2vec2.encoder.layers.{i}" for i in range(4))
+        assert len(m.adds_in("wav2vec2.encoder.layers")) == 8  # attention and feed-forward

@@ -29,7 +29,7 @@ from .model_map import (
     Stack,
 )
 from .residual import FoundAdd, find_residual_adds
-from .stacks import FoundStack, executed_stacks, structural_stacks
+from .stacks import FoundStack, executed_stacks, skipped_blocks, structural_stacks
 from .state import preserved
 from .trace import MATMUL_OPS, SCALE_OPS, SDPA_OPS, Graph, Key, trace
 
@@ -45,10 +45,11 @@ def discover(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Mod
     """Map what ``model`` contains, without changing it.
 
     With example inputs, observes one forward pass (under ``no_grad``, in the model's current
-    train/eval mode) to find residual adds, norm roles, attention, the output head and the
-    behaviour of norm classes it does not know. Without them, reports what the module tree alone
-    shows. Parameters, buffers, hooks, training modes and the random number generators are the
-    same afterwards.
+    train/eval mode; a second one in eval mode when a block of a container was skipped, as
+    LayerDrop does in training) to find residual adds, norm roles, attention, the output head
+    and the behaviour of norm classes it does not know. Without them, reports what the module
+    tree alone shows. Parameters, buffers, hooks, training modes and the random number
+    generators are the same afterwards.
 
     Args:
         model: any ``nn.Module``.
@@ -78,11 +79,15 @@ def discover(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Mod
     }
     g: Graph | None = None
     # behaviour probes call modules too: an attached probe's hooks stay silent until the end
-    with read_only(model):
+    with read_only(model):  # modes restored on exit
         start = time.perf_counter()
         if traced:
             try:
                 g = trace(model, example_args, example_kwargs, lambda m: id(m) in candidates)
+                if model.training and skipped_blocks(structural_stacks(model), g):
+                    # LayerDrop or stochastic depth skipped a block: in eval mode every one runs
+                    model.eval()
+                    g = trace(model, example_args, example_kwargs, lambda m: id(m) in candidates)
             except Exception as err:
                 err.add_note(
                     "(raised while normprobe.discover ran one forward pass of "

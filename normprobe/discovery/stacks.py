@@ -68,6 +68,16 @@ def structural_stacks(model: nn.Module) -> list[FoundStack]:
     return found
 
 
+def skipped_blocks(candidates: list[FoundStack], g: Graph) -> list[str]:
+    """The blocks of containers of one class that did not run while others of theirs did."""
+    ran = {call.path for call in g.calls}
+    skipped = []
+    for cand in candidates:
+        if cand.generic and any(b in ran for b in cand.blocks):
+            skipped += [b for b in cand.blocks if b not in ran]
+    return skipped
+
+
 def executed_stacks(
     candidates: list[FoundStack], g: Graph, has_adds: Callable[[str], bool]
 ) -> list[FoundStack]:
