@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import warnings
@@ -242,8 +243,9 @@ def convert_norms(
 
     Raises:
         ValueError: an unknown target, a role policy without example inputs, a layer that
-            cannot become the target or whose axis cannot be known without example inputs
-            (named in the message, with the way out), or a ``model_map`` of another model.
+            cannot become the target (a gated norm, whose forward takes a second input) or
+            whose axis cannot be known without example inputs (named in the message, with the
+            way out), or a ``model_map`` of another model.
         TypeError: ``model`` is not an ``nn.Module``, or is wrapped by DDP/FSDP or compiled.
         RuntimeError: a normprobe probe is attached (remove it, convert, attach again).
 
@@ -644,6 +646,15 @@ def _plan(s: _Source, target: Target, opts: _Options) -> _Plan | None:
     """Everything needed to build ``s``'s replacement, or None when it already is one."""
     m, path = s.module, s.paths[0]
     name = f"{path or '<root>'} ({type(m).__name__})"
+    second = _second_inputs(m)
+    if second:
+        glob = ".".join("*" if part.isdigit() else part for part in path.split("."))
+        raise _Refusal(
+            f"{name} is a gated norm: its forward takes {', '.join(second)} besides the tensor "
+            f"it normalizes, which a {_CLASS_NAMES[target]} does not take, so the model would "
+            f"fail where it passes one; leave it out with exclude={glob!r}, or with a policy "
+            f"key mapping it to None: {{{glob!r}: None, '*': {target!r}}}"
+        )
     stats = _source_layout(s)
     layout, shape = stats.layout, stats.shape
     groups = opts.num_groups or (stats.groups if stats.groups else 32)
@@ -711,6 +722,29 @@ def _plan(s: _Source, target: Target, opts: _Options) -> _Plan | None:
         eps,
         eps_text,
     )
+
+
+def _second_inputs(m: nn.Module) -> list[str]:
+    """Parameters of ``m.forward`` past its input that may carry a second tensor (a gate).
+
+    Those are the required ones and those defaulting to None that are unannotated or annotated
+    with a tensor; options with other defaults (``inplace=False``), ``*args`` and ``**kwargs``
+    are not.
+    """
+    try:
+        params = list(inspect.signature(m.forward).parameters.values())
+    except (TypeError, ValueError):  # a forward without a readable signature
+        return []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    named = [p for p in params if p.kind not in variadic]
+    if not named or named[0] is not params[0]:  # forward(self, *inputs): nothing to read
+        return []
+    return [
+        p.name
+        for p in named[1:]
+        if p.default is inspect.Parameter.empty
+        or (p.default is None and (p.annotation is p.empty or "Tensor" in str(p.annotation)))
+    ]
 
 
 @dataclass(frozen=True)
