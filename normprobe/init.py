@@ -13,14 +13,25 @@ import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, TypeVar, cast, get_args
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import _WeightNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from .common import example_call
-from .discovery import DiscoveryWarning, ModelMap, NormLayer, ResidualAdd, discover
+from .discovery import (
+    DiscoveryWarning,
+    ModelMap,
+    NormLayer,
+    ResidualAdd,
+    discover,
+    discover_on_carried,
+)
 from .discovery.mapping import read_only
+from .discovery.state import preserved
 
 Scheme = Literal["gpt2", "fixup", "deepnorm", "kaiming", "xavier", "zero_branch"]
 BranchScaleKind = Literal["rezero", "layerscale", "skipinit"]
@@ -69,6 +80,107 @@ def is_weight_layer(module: nn.Module) -> bool:
     if not any(p.ndim >= 2 for _, p in _direct(module)):
         return False
     return isinstance(module, nn.MultiheadAttention) or not any(True for _ in module.children())
+
+
+# --------------------------------------------------------------------------------------------
+# Parametrized weights (weight norm)
+# --------------------------------------------------------------------------------------------
+
+
+def _weight_norm_hooks(module: nn.Module) -> dict[str, WeightNorm]:
+    """Old-style ``torch.nn.utils.weight_norm`` on ``module``: tensor name -> its hook."""
+    hooks = module._forward_pre_hooks.values()
+    return {h.name: h for h in hooks if isinstance(h, WeightNorm)}
+
+
+def _chains(module: nn.Module) -> dict[str, parametrize.ParametrizationList]:
+    """``torch.nn.utils.parametrize``'s parametrizations of ``module``, by tensor name."""
+    if not parametrize.is_parametrized(module):
+        return {}
+    return dict(cast(nn.ModuleDict, module.parametrizations).items())  # type: ignore[arg-type]
+
+
+def _parametrized(module: nn.Module) -> list[str]:
+    """Names of ``module``'s tensors computed from parameters: by ``torch.nn.utils.parametrize``
+    (`_chains`) or by the old ``weight_norm`` hook (from ``weight_g`` and ``weight_v``)."""
+    return [*_chains(module), *_weight_norm_hooks(module)]
+
+
+def _is_layer(module: nn.Module) -> bool:
+    """`is_weight_layer`, also for a layer whose matrix or kernel is parametrized (new-style
+    weight norm): a leaf but for its ``parametrizations``."""
+    if not parametrize.is_parametrized(module):
+        return is_weight_layer(module)
+    leaf = all(name == "parametrizations" for name, _ in module.named_children())
+    held = [*module.parameters()]  # its own and its parametrizations' originals
+    return any(p.ndim >= 2 for p in held) and (leaf or isinstance(module, nn.MultiheadAttention))
+
+
+def _set_weight_norm(g: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, dim: int) -> None:
+    """``g`` and ``v`` with ``g * v / ||v|| = weight``: ``v = weight``, ``g`` its norms over all
+    dims but ``dim``; a zero slice keeps its direction in ``v`` (its ``g`` is 0)."""
+    norm = torch.norm_except_dim(weight, 2, dim)
+    v.copy_(torch.where(norm > 0, weight, v))
+    g.copy_(norm)
+
+
+def _assign(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Make ``module``'s parametrized tensor ``name`` equal ``value``: weight norm's g and v
+    in place; any other parametrization through its ``right_inverse``."""
+    hooks = _weight_norm_hooks(module)
+    if name in hooks:
+        with torch.no_grad():
+            g, v = getattr(module, f"{name}_g"), getattr(module, f"{name}_v")
+            _set_weight_norm(g, v, value, hooks[name].dim)
+        setattr(module, name, hooks[name].compute_weight(module))  # as the hook's next call does
+        return
+    chain = _chains(module)[name]
+    with torch.no_grad():
+        if len(chain) == 1 and isinstance(chain[0], _WeightNorm):
+            g, v = chain.original0, chain.original1
+            _set_weight_norm(cast(torch.Tensor, g), cast(torch.Tensor, v), value, chain[0].dim)
+            return
+        try:
+            setattr(module, name, value.clone())
+        except (RuntimeError, NotImplementedError) as err:
+            warnings.warn(
+                f"{type(module).__name__}.{name} keeps its value: its parametrization cannot "
+                f"be set to a given tensor ({err})",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
+class _Applied:
+    """The tensors weight layers apply, to overwrite in place.
+
+    A parametrized tensor (weight norm's ``weight``) is a copy of its value; `commit` writes each
+    copy that changed back through its parametrization, so that the layer applies exactly it.
+    """
+
+    def __init__(self) -> None:
+        self._copies: dict[tuple[int, str], tuple[nn.Module, torch.Tensor, int]] = {}
+
+    def of(self, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """``module``'s parametrized tensors, then its own parameters but weight norm's g, v."""
+        hooks = _weight_norm_hooks(module)
+        found = []
+        for name in _parametrized(module):
+            key = (id(module), name)
+            if key not in self._copies:
+                # reading leaves buffers as they were (spectral norm updates its own)
+                with preserved(module), torch.no_grad():
+                    hook = hooks.get(name)
+                    value = (hook.compute_weight(module) if hook else getattr(module, name)).clone()
+                self._copies[key] = (module, value, value._version)
+            found.append((name, self._copies[key][1]))
+        sources = {f"{name}_{part}" for name in hooks for part in "gv"}
+        return found + [(n, p) for n, p in _direct(module) if n not in sources]
+
+    def commit(self) -> None:
+        for (_, name), (module, value, version) in self._copies.items():
+            if value._version != version:
+                _assign(module, name, value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,20 +306,22 @@ def remove_branch_scale(model: ModuleT, *, fold: bool = True) -> ModuleT:
     """
     found = branch_scales(model)
     if fold:
+        applied = _Applied()
         for path, wrapper in found.items():
-            _fold(path, wrapper)
+            _fold(path, wrapper, applied)
+        applied.commit()
     replacements = [(path, wrapper.inner) for path, wrapper in found.items()]
     for path, inner in replacements:
         _replace(model, path, inner)
     return model
 
 
-def _fold(path: str, wrapper: BranchScale) -> None:
+def _fold(path: str, wrapper: BranchScale, applied: _Applied) -> None:
     inner = wrapper.inner
     scale = wrapper.scale.detach()
     with torch.no_grad():
-        if is_weight_layer(inner):
-            for _, p in _direct(inner):
+        if _is_layer(inner):
+            for _, p in applied.of(inner):
                 dim = _out_dim(inner) if p.ndim >= 2 else 0
                 p.mul_(scale if scale.ndim == 0 else _along(scale, dim, p.ndim))
             return
@@ -274,13 +388,19 @@ class _Target:
         self.what = what
         # without inputs given, those the model carries (transformers' dummy_inputs)
         own = model_map is None
-        self.args, self.kwargs = example_call(model, example_inputs, example_kwargs, own=own)
+        self.args, self.kwargs = example_call(model, example_inputs, example_kwargs, own=False)
+        self._carried = own and not (self.args or self.kwargs)
+        if self._carried:
+            self.args, self.kwargs = example_call(model)
         self._map = model_map
+        self.applied = _Applied()  # reinit commits it after the scheme ran
         if model_map is not None:
             self._check_map(model_map)
 
     @property
     def has_inputs(self) -> bool:
+        if self._carried:
+            self.map  # noqa: B018 (inputs the model does not run on are dropped there)
         return bool(self.args or self.kwargs)
 
     @property
@@ -289,7 +409,12 @@ class _Target:
             with warnings.catch_warnings():
                 # a norm-free model (Fixup's use case) is expected here, not worth a warning
                 warnings.simplefilter("ignore", DiscoveryWarning)
-                self._map = discover(self.model, *self.args, **self.kwargs)
+                if self._carried:
+                    self._map = discover_on_carried(self.model, self.args, self.kwargs)
+                    if not self._map.traced:  # the model does not run on them
+                        self.args, self.kwargs = (), {}
+                else:
+                    self._map = discover(self.model, *self.args, **self.kwargs)
         return self._map
 
     def _check_map(self, m: ModelMap) -> None:
@@ -300,7 +425,7 @@ class _Target:
             for p in a.branch_layers
             if p not in modules
             or isinstance(modules[p], _Wrapper)
-            or not (is_weight_layer(modules[p]) or p in m.weight_layers)
+            or not (_is_layer(modules[p]) or p in m.weight_layers)
         ]
         stale += [
             n.path
@@ -336,30 +461,38 @@ class _Target:
 
     def weight_layers(self, embeddings: bool = True) -> list[tuple[str, nn.Module]]:
         """Leaf layers holding a matrix or kernel, and every module the traced forward applied
-        a weight of (fused experts, whose module also holds an activation)."""
+        a weight of (fused experts, whose module also holds an activation); never a part of a
+        parametrization (weight norm's ``parametrizations.weight``)."""
         norms = {n.path for n in self.map.norms}
         used = set(self.map.weight_layers)
+        parts = {
+            id(part)
+            for m in self.model.modules()
+            if isinstance(m, parametrize.ParametrizationList)
+            for part in m.modules()
+        }
         return [
             (path, m)
             for path, m in self.model.named_modules()
             if path not in norms
-            and (is_weight_layer(m) or path in used)
+            and id(m) not in parts
+            and (_is_layer(m) or path in used)
             and (embeddings or not isinstance(m, nn.Embedding | nn.EmbeddingBag))
         ]
 
-    def layer_params(self) -> list[tuple[nn.Module, nn.Parameter]]:
+    def layer_params(self) -> list[tuple[nn.Module, torch.Tensor]]:
         """(layer, parameter) of every non-embedding weight layer, each parameter once; a
         parameter tied to an embedding (a GPT-2 ``lm_head``) counts as the embedding's."""
         embedded = {
             id(p)
             for _, m in self.weight_layers()
             if isinstance(m, nn.Embedding | nn.EmbeddingBag)
-            for _, p in _direct(m)
+            for _, p in self.applied.of(m)
         }
         seen: set[int] = set()
         found = []
         for _, m in self.weight_layers(embeddings=False):
-            for _, p in _direct(m):
+            for _, p in self.applied.of(m):
                 if id(p) not in embedded and id(p) not in seen:
                     seen.add(id(p))
                     found.append((m, p))
@@ -414,9 +547,9 @@ def _set_norm(module: nn.Module, norm: NormLayer, gain: float) -> None:
                 p.fill_(gain - offset)
 
 
-def _zero(module: nn.Module) -> None:
+def _zero(t: _Target, module: nn.Module) -> None:
     with torch.no_grad():
-        for _, p in _direct(module):
+        for _, p in t.applied.of(module):
             p.zero_()
 
 
@@ -485,7 +618,7 @@ def _channels(t: _Target, path: str) -> tuple[int, int, float | None]:
         channel_dim = -1 if norm.layout == "channels-last" else 1
         count = norm.dims[0] if norm.dims else 0
         return count, channel_dim, norm.gain_offset
-    weight = next(p for _, p in _direct(module) if p.ndim >= 2)
+    weight = next(p for _, p in t.applied.of(module) if p.ndim >= 2)
     channel_dim = 1 if isinstance(module, _CONVS) else -1
     return weight.shape[_out_dim(module)], channel_dim, None
 
@@ -517,8 +650,10 @@ def reinit(
     stay, and an optimizer built earlier stays valid; Hugging Face's own init skips weights loaded
     by ``from_pretrained``, this does not). Weight layers are leaf modules with a matrix or kernel
     (Linear, Conv, HF's transposed ``Conv1D``, Embedding); fan-in and fan-out follow each layer's
-    layout. Bare parameters of container modules (ViT's ``pos_embed``, LayerScale gammas) are
-    left alone.
+    layout. A parametrized weight gets the scheme's values as the weight the layer applies: weight
+    norm's (either torch API) as ``v = w`` and ``g = ||w||``, any other parametrization's through
+    its ``right_inverse`` (one without keeps its value, with a warning). Bare parameters of
+    container modules (ViT's ``pos_embed``, LayerScale gammas) are left alone.
 
     Schemes and their options:
 
@@ -578,6 +713,7 @@ def reinit(
         )
     t = _Target(model, f"reinit(model, {name!r})", example_inputs, example_kwargs, model_map)
     _SCHEMES[name](t, **{**allowed, **options})
+    t.applied.commit()
     return model
 
 
@@ -635,7 +771,7 @@ def _scheme_gpt2(t: _Target, *, std: Any, n_layers: Any) -> None:
     seen: set[int] = set()
     with torch.no_grad():
         for path, m in t.weight_layers():
-            for name, p in _direct(m):
+            for name, p in t.applied.of(m):
                 if id(p) in seen:
                     continue  # a tied weight (lm_head = wte) is initialized once
                 seen.add(id(p))
@@ -646,7 +782,7 @@ def _scheme_gpt2(t: _Target, *, std: Any, n_layers: Any) -> None:
                 else:
                     nn.init.zeros_(p)
             if isinstance(m, nn.Embedding) and m.padding_idx is not None:
-                m.weight[m.padding_idx].zero_()
+                dict(t.applied.of(m))["weight"][m.padding_idx].zero_()
     t.reset_norms()
 
 
@@ -682,7 +818,7 @@ def _scheme_zero_branch(t: _Target) -> None:
         if path in norms:
             _set_norm(t.module(path), norms[path], gain=0.0)
         else:
-            _zero(t.module(path))
+            _zero(t, t.module(path))
 
 
 def _scheme_fixup(t: _Target, *, mode: Any) -> None:
@@ -702,7 +838,7 @@ def _scheme_fixup(t: _Target, *, mode: Any) -> None:
                 layer = t.module(path)
                 last = path in a.writers  # the last layer on each path of the branch
                 plan.append((path, last))
-                for _, p in _direct(layer):
+                for _, p in t.applied.of(layer):
                     if last or p.ndim < 2:
                         p.zero_()
                     else:
@@ -716,7 +852,7 @@ def _scheme_fixup(t: _Target, *, mode: Any) -> None:
             prefix = a.module + "." if a.module else ""
             for path, layer in t.weight_layers(embeddings=False):
                 if path.startswith(prefix) and path not in on_branches:
-                    for _, p in _direct(layer):
+                    for _, p in t.applied.of(layer):
                         if p.ndim >= 2:
                             nn.init.kaiming_normal_(
                                 out_in_view(layer, p), mode=mode, nonlinearity="relu"
@@ -734,7 +870,7 @@ def _scheme_fixup(t: _Target, *, mode: Any) -> None:
                     stacklevel=3,
                 )
             else:
-                _zero(t.module(head))
+                _zero(t, t.module(head))
     # collect first, then swap: the scalars wrap each branch layer
     swaps = []
     for path, last in plan:
@@ -811,7 +947,7 @@ def _scheme_deepnorm(t: _Target, *, n_layers: Any, alpha: Any, beta: Any) -> Non
             value_slices = values.find(a, in_attention) if in_attention else {}
             for path in layers:
                 layer = t.module(path)
-                for _, p in _direct(layer):
+                for _, p in t.applied.of(layer):
                     if p.ndim < 2:
                         p.zero_()
                     elif path in value_slices:
@@ -903,7 +1039,7 @@ class _ValueProbe:
 
     def _width(self, path: str) -> int:
         layer = self.t.module(path)
-        weight = next(p for _, p in _direct(layer) if p.ndim >= 2)
+        weight = next(p for _, p in self.t.applied.of(layer) if p.ndim >= 2)
         return weight.shape[_out_dim(layer)]
 
     @staticmethod

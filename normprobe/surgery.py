@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .common import example_call, is_compiled
-from .discovery import DiscoveryWarning, ModelMap, NormLayer, discover
+from .discovery import DiscoveryWarning, ModelMap, NormLayer, discover, discover_on_carried
 from .discovery import norms as norm_rules
 from .discovery.table import table
 from .layers import BatchNormNd, DyT, LayerNorm2d, PerHeadLayerNorm, PerHeadRMSNorm, RMSNorm2d
@@ -388,11 +388,14 @@ def _model_map(
 ) -> ModelMap:
     if model_map is None:
         # without inputs given, those the model carries (transformers' dummy_inputs)
-        args, kwargs = example_call(model, example_inputs, example_kwargs)
+        args, kwargs = example_call(model, example_inputs, example_kwargs, own=False)
         with warnings.catch_warnings():
             # our own warning says the same thing about norms; residual adds don't matter here
             warnings.simplefilter("ignore", DiscoveryWarning)
-            model_map = discover(model, *args, **kwargs)
+            if args or kwargs:
+                model_map = discover(model, *args, **kwargs)
+            else:
+                model_map = discover_on_carried(model, *example_call(model))
     else:
         modules = dict(model.named_modules())
         for n in model_map.norms:

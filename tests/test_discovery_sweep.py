@@ -4,6 +4,7 @@ keep their place in their stack."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -125,3 +126,34 @@ def test_layerdrop_in_wav2vec2_loses_no_block() -> None:
         layers = m.stack("wav2vec2.encoder.layers")
         assert layers.blocks == tuple(f"wav2vec2.encoder.layers.{i}" for i in range(4))
         assert len(m.adds_in("wav2vec2.encoder.layers")) == 8  # attention and feed-forward
+
+
+def _pegasus() -> nn.Module:
+    from transformers import PegasusConfig, PegasusForConditionalGeneration
+
+    config = PegasusConfig(
+        vocab_size=96,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+    )
+    return PegasusForConditionalGeneration(config)
+
+
+def test_dummy_inputs_the_model_does_not_run_on_fall_back_to_the_module_tree() -> None:
+    # the dummy_inputs transformers gives Pegasus make its own forward raise
+    model = _pegasus()
+    ids = torch.randint(3, 96, (2, 6))
+    with pytest.raises(ValueError, match="decoder_input_ids"):
+        model(**model.dummy_inputs)
+    normprobe.convert_norms(model, "rmsnorm")
+    assert {type(m) for m in model.modules() if "Norm" in type(m).__name__} == {nn.RMSNorm}
+    assert model(input_ids=ids, labels=ids).loss.isfinite()
+    with pytest.raises(ValueError, match="example_inputs") as refused:
+        normprobe.reinit(_pegasus(), "gpt2")  # its stream writers are known from a forward only
+    assert "raised while normprobe.discover" not in "".join(getattr(refused.value, "__notes__", []))

@@ -1,6 +1,6 @@
 """Discovery: what a model contains (norms, stacks, residual adds, attention, output head)."""
 
-from .mapping import DiscoveryWarning, discover, discover_on_first_forward
+from .mapping import DiscoveryWarning, discover, discover_on_carried, discover_on_first_forward
 from .model_map import Anchor, Attention, ModelMap, NormLayer, ResidualAdd, Stack
 
 __all__ = [
@@ -12,5 +12,6 @@ __all__ = [
     "ResidualAdd",
     "Stack",
     "discover",
+    "discover_on_carried",
     "discover_on_first_forward",
 ]

@@ -99,6 +99,18 @@ def discover(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Mod
         return _Builder(model, g, trace_ms).build()
 
 
+def discover_on_carried(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> ModelMap:
+    """`discover` on inputs the model carries (transformers' ``dummy_inputs``, which the user
+    did not choose): the module tree alone when the model does not run on them, as an
+    encoder-decoder's dummy inputs without decoder ids or a dual encoder's without images."""
+    try:
+        return discover(model, *args, **kwargs)
+    except Exception:
+        return discover(model)
+
+
 def _named_norm(m: nn.Module) -> bool:
     return norm_rules.name_match(m) is not None and not norm_rules.has_param_children(m)
 

@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.utils import parametrizations, parametrize
 
 from .model_map import EpsPlacement, NormKind
 from .state import preserved
@@ -63,8 +64,19 @@ def torch_kind(module: nn.Module) -> NormKind | None:
     return None
 
 
+def is_parametrization(module: nn.Module) -> bool:
+    """A ``torch.nn.utils.parametrize`` container or one of torch's parametrizations
+    (``_WeightNorm``, ``_SpectralNorm``, ``_Orthogonal``): they transform a layer's weight, not
+    activations."""
+    return isinstance(module, parametrize.ParametrizationList) or (
+        type(module).__module__ == parametrizations.__name__
+    )
+
+
 def name_match(module: nn.Module) -> str | None:
-    """The first class in the MRO named like a norm, if any."""
+    """The first class in the MRO named like a norm, if any (never a parametrization)."""
+    if is_parametrization(module):
+        return None
     for cls in type(module).__mro__:
         if cls in (nn.Module, object):
             break

@@ -385,14 +385,16 @@ class _Recorder(TorchFunctionMode):
                 call.in_nodes.append(n)
                 call.in_keys.append(key)
             g.boundary.setdefault(n, (len(g.boundary), "pre", cid, key))
-        # a parametrization (weight norm's, a user's) transforms parameters, not activations
-        parametrizing = any(
-            isinstance(g.calls[c].module, parametrize.ParametrizationList) for c in self.stack
-        )
-        if self.capture(mod) and index == 0 and not parametrizing:
+        if self.capture(mod) and index == 0 and not self._parametrizing():
             call.inputs = (args, kwargs)
         call.first_node = len(g.op)
         self.stack.append(cid)
+
+    def _parametrizing(self) -> bool:
+        """Whether the running call computes a parametrized tensor (weight norm's ``weight``):
+        it transforms parameters, not activations."""
+        calls = self.g.calls
+        return any(isinstance(calls[c].module, parametrize.ParametrizationList) for c in self.stack)
 
     def _post(
         self, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
