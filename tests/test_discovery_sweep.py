@@ -157,3 +157,40 @@ def test_dummy_inputs_the_model_does_not_run_on_fall_back_to_the_module_tree() -
     with pytest.raises(ValueError, match="example_inputs") as refused:
         normprobe.reinit(_pegasus(), "gpt2")  # its stream writers are known from a forward only
     assert "raised while normprobe.discover" not in "".join(getattr(refused.value, "__notes__", []))
+
+
+def test_a_hybrid_of_mamba_and_attention_layers_is_one_stack() -> None:
+    from transformers import JambaConfig, JambaForCausalLM
+
+    config = JambaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        num_experts=2,
+        num_experts_per_tok=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        attn_layer_period=2,  # Mamba, attention, Mamba, attention
+        attn_layer_offset=1,
+        mamba_d_state=4,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=4,
+        use_mamba_kernels=False,
+    )
+    torch.manual_seed(0)
+    model = JambaForCausalLM(config)
+    ids = torch.randint(3, 96, (2, 12))
+    m = normprobe.discover(model, input_ids=ids)
+    assert [(s.path, s.depth) for s in m.stacks] == [("model.layers", 4)]
+    assert m.stacks[0].block_type == "JambaAttentionDecoderLayer/JambaMambaDecoderLayer"
+    assert len(m.adds_in("model.layers")) == 8  # each layer: its mixer's add and its MLP's
+    sink = normprobe.MemorySink()
+    with normprobe.attach(model, sinks=[sink], metrics=["resid_rms"], every=1) as probe:
+        model(input_ids=ids, labels=ids).loss.backward()
+        probe.step()
+    rms = sink.records[0].profiles[normprobe.tags.format("resid_rms", "model.layers")]
+    assert len(rms) == 4 and all(v > 0 for v in rms)

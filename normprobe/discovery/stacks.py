@@ -23,6 +23,7 @@ class FoundStack:
     block_type: str
     generic: bool = True  # a ModuleList/Sequential of one class (else it must show adds)
     repeated: bool = False  # one module run len(blocks) times
+    mixed: bool = False  # blocks of several classes (a hybrid): each must show adds
 
 
 def _signature(module: nn.Module) -> tuple[object, ...]:
@@ -38,11 +39,25 @@ def structural_stacks(model: nn.Module) -> list[FoundStack]:
 
     A run covering every parameterized child of its container takes the container's path;
     otherwise it is named ``container[first..last]``. Generic containers as blocks must share
-    their structure unless they are all their container holds (then they must show adds).
+    their structure unless they are all their container holds (then they must show adds). A
+    ModuleList or Sequential of blocks of several classes (Jamba's Mamba and attention layers)
+    is a candidate too, kept only if every block shows adds.
     """
     found = []
     for path, m in model.named_modules():
         kids = [(n, c) for n, c in m.named_children() if any(True for _ in c.parameters())]
+        classes = {type(c) for _, c in kids}
+        if (
+            isinstance(m, _GENERIC)
+            and len(kids) >= 2
+            and len(classes) > 1
+            and all(
+                not isinstance(c, _GENERIC) and any(True for _ in c.children()) for _, c in kids
+            )
+        ):
+            names = "/".join(sorted(c.__name__ for c in classes))
+            blocks = [_join(path, n) for n, _ in kids]
+            found.append(FoundStack(path, blocks, names, generic=False, mixed=True))
         runs: list[list[tuple[str, nn.Module]]] = []
         for name, child in kids:
             if runs and type(runs[-1][-1][1]) is type(child):
@@ -104,8 +119,22 @@ def executed_stacks(
             continue
         if not cand.generic and not any(has_adds(b) for _, b in ran):
             continue
+        if cand.mixed and (len(ran) < len(cand.blocks) or not all(has_adds(b) for _, b in ran)):
+            continue
         blocks = [b for _, b in ran]
-        kept.append((ran[0][0], FoundStack(cand.path, blocks, cand.block_type, cand.generic)))
+        found = FoundStack(cand.path, blocks, cand.block_type, cand.generic, mixed=cand.mixed)
+        kept.append((ran[0][0], found))
+    # blocks of several classes inside a block of another stack are its sublayers (T5's
+    # self-attention, cross-attention and feed-forward), not a hybrid stack
+    blocks_of = [b for _, s in kept if not s.mixed for b in s.blocks]
+    kept = [
+        (c, s)
+        for c, s in kept
+        if not (s.mixed and any(s.path.startswith(b + ".") for b in blocks_of))
+    ]
+    # a hybrid stack kept: the runs of one class inside it are parts of it, not stacks
+    hybrid = [set(s.blocks) for _, s in kept if s.mixed]
+    kept = [(c, s) for c, s in kept if not any(set(s.blocks) < h for h in hybrid)]
     repeated: set[str] = set()
     for path, cids in calls_of.items():
         if len(cids) < 2 or not has_adds(path) or _inside_repeated(path, repeated, calls_of):
