@@ -194,3 +194,18 @@ def test_a_hybrid_of_mamba_and_attention_layers_is_one_stack() -> None:
         probe.step()
     rms = sink.records[0].profiles[normprobe.tags.format("resid_rms", "model.layers")]
     assert len(rms) == 4 and all(v > 0 for v in rms)
+
+
+def test_a_tensor_lending_only_its_dtype_is_no_input() -> None:
+    # Funnel turns its attention mask into a score bias with mask.type_as(embeddings): the
+    # embeddings' norm does not feed the scores, so it is no qk-norm (as BERT's, it is "other")
+    from transformers import FunnelConfig, FunnelModel
+
+    config = FunnelConfig(
+        vocab_size=96, block_sizes=[1, 1], num_decoder_layers=1, d_model=32, n_head=4, d_head=8
+    )
+    torch.manual_seed(0)
+    m = normprobe.discover(FunnelModel(config), input_ids=torch.randint(3, 96, (2, 12)))
+    roles = {n.path: n.role for n in m.norms}
+    assert roles["embeddings.layer_norm"] == "other"
+    assert "qk" not in roles.values()

@@ -94,6 +94,8 @@ SHAPE_ONLY_OPS = frozenset(
         "new_full",
     }
 )
+# The tensors after the first only lend these their dtype, device or shape (``x.type_as(y)``).
+FIRST_ONLY_OPS = frozenset({"type_as", "view_as", "reshape_as", "expand_as", "to"})
 # A parameter broadcast over the batch by these (a class token) starts a stream of its own.
 BROADCAST_OPS = frozenset({"expand", "expand_as", "repeat", "tile", "broadcast_to"})
 SDPA_OPS = frozenset({"scaled_dot_product_attention"})
@@ -459,8 +461,9 @@ class _Recorder(TorchFunctionMode):
         if not outs:
             return out
         g = self.g
-        act_in = tuple(n for n in in_nodes if g.act[n])
-        params = [n for n in in_nodes if g.param_const[n]]
+        data_in = in_nodes[:1] if name in FIRST_ONLY_OPS else in_nodes
+        act_in = tuple(n for n in data_in if g.act[n])
+        params = [n for n in data_in if g.param_const[n]]
         if name in SHAPE_ONLY_OPS:
             act_in, params = (), []
         if (
