@@ -4,6 +4,8 @@ keep their place in their stack."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -209,3 +211,35 @@ def test_a_tensor_lending_only_its_dtype_is_no_input() -> None:
     roles = {n.path: n.role for n in m.norms}
     assert roles["embeddings.layer_norm"] == "other"
     assert "qk" not in roles.values()
+
+
+class GainFree(nn.Module):
+    """Pre-LN blocks whose LayerNorm learns no gain, as OLMo's."""
+
+    def __init__(self, width: int = 8, depth: int = 2) -> None:
+        super().__init__()
+        self.lns = nn.ModuleList(
+            nn.LayerNorm(width, elementwise_affine=False) for _ in range(depth)
+        )
+        self.fcs = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for ln, fc in zip(self.lns, self.fcs, strict=True):
+            x = x + fc(ln(x))
+        return x
+
+
+def _attach_warnings(metrics: list[str] | None) -> list[str]:
+    model = GainFree()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with normprobe.attach(model, sinks=[normprobe.MemorySink()], metrics=metrics) as probe:
+            model(torch.randn(3, 8)).sum().backward()
+            probe.step()
+    return [str(w.message) for w in caught if w.category is normprobe.DiscoveryWarning]
+
+
+def test_norms_without_a_learned_gain_are_warned_only_when_norm_gain_is_asked_for() -> None:
+    assert _attach_warnings(None) == []
+    (warned,) = _attach_warnings(["norm_gain", "resid_rms"])
+    assert "no norm layers with a learned gain (norm_gain)" in warned

@@ -253,8 +253,8 @@ class Family:
     validation: ClassVar[bool] = False  # also measured on a validation forward
     # what the model lacks when the family finds nothing to read (warned at attach), or None
     requires: ClassVar[str | None] = None
-    # what it reads is one many models lack (attention, BatchNorm): the lack is warned only
-    # when the family is asked for by name, not among all of them
+    # what it reads is one many models lack (attention, BatchNorm, learned norm gains): the
+    # lack is warned only when the family is asked for by name, not among all of them
     optional: ClassVar[bool] = False
 
     def plan(self, plan: Plan) -> None:

@@ -24,6 +24,7 @@ class _GainGroup:
 class NormGain(Family):
     name = "norm_gain"
     requires = "no norm layers with a learned gain"
+    optional = True  # OLMo's LayerNorm learns none by design
     description = "mean and std of each norm layer's effective gain (1 + weight for Gemma's norms)"
     series = (Series("norm_gain_mean", "module", "mean"), Series("norm_gain_std", "module", "mean"))
 
