@@ -243,3 +243,27 @@ def test_norms_without_a_learned_gain_are_warned_only_when_norm_gain_is_asked_fo
     assert _attach_warnings(None) == []
     (warned,) = _attach_warnings(["norm_gain", "resid_rms"])
     assert "no norm layers with a learned gain (norm_gain)" in warned
+
+
+def test_mobilebert_no_norm_is_no_norm() -> None:
+    # MobileBERT's NoNorm is weight * x + bias, named for what it is not
+    from transformers import MobileBertConfig, MobileBertModel
+
+    config = MobileBertConfig(
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=32,
+        embedding_size=16,
+        intra_bottleneck_size=16,
+        true_hidden_size=16,
+        num_feedforward_networks=1,
+    )
+    model = MobileBertModel(config)
+    assert any(type(m).__name__ == "NoNorm" for m in model.modules())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", normprobe.DiscoveryWarning)  # no norms: warned
+        m = normprobe.discover(model, input_ids=torch.randint(3, 96, (2, 8)))
+    assert [n.class_name for n in m.norms if n.class_name == "NoNorm"] == []
+    assert [s.path for s in m.stacks] == ["encoder.layer"]

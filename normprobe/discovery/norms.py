@@ -37,6 +37,8 @@ TORCH_KINDS: tuple[tuple[type[nn.Module], NormKind], ...] = (
 # A class (or a base class) named like a norm: LayerNorm, RmsNorm, LayerNorm2d, BatchNormAct2d,
 # a global response norm (GRN)
 NAME_PATTERN = re.compile(r"(?i)(norm|grn)(\d?d)?(act)?(\d?d)?(fp32|nobias|gated|1p)?$")
+# Names that say there is no norm (MobileBERT's NoNorm: an elementwise affine map).
+NOT_A_NORM = re.compile(r"(?i)^no_?norm")
 # Names that say the wrong thing about what the class computes.
 MISLEADING_NAMES: dict[str, NormKind] = {"T5LayerNorm": "rmsnorm", "MT5LayerNorm": "rmsnorm"}
 EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "eps_")
@@ -74,12 +76,15 @@ def is_parametrization(module: nn.Module) -> bool:
 
 
 def name_match(module: nn.Module) -> str | None:
-    """The first class in the MRO named like a norm, if any (never a parametrization)."""
+    """The first class in the MRO named like a norm, if any (never a parametrization, nor a
+    class named for having none)."""
     if is_parametrization(module):
         return None
     for cls in type(module).__mro__:
         if cls in (nn.Module, object):
             break
+        if NOT_A_NORM.match(cls.__name__):
+            return None
         if NAME_PATTERN.search(cls.__name__):
             return cls.__name__
     return None
