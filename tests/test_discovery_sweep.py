@@ -267,3 +267,31 @@ def test_mobilebert_no_norm_is_no_norm() -> None:
         m = normprobe.discover(model, input_ids=torch.randint(3, 96, (2, 8)))
     assert [n.class_name for n in m.norms if n.class_name == "NoNorm"] == []
     assert [s.path for s in m.stacks] == ["encoder.layer"]
+
+
+class NormedValues(nn.Module):
+    """Attention with normalized values: the value norm feeds the product of attention weights
+    and values, or fused attention's value, never a score."""
+
+    def __init__(self, width: int = 8, fused: bool = False) -> None:
+        super().__init__()
+        self.fused = fused
+        self.v_norm = nn.LayerNorm(width)
+        self.qk = nn.Linear(width, 2 * width)
+        self.v = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).chunk(2, dim=-1)
+        v = self.v_norm(self.v(x))
+        if self.fused:
+            mixed = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        else:
+            mixed = (q @ k.transpose(-1, -2)).softmax(dim=-1) @ v
+        return x + self.out(mixed)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_norm_feeding_only_values_is_no_qk_norm(fused: bool) -> None:
+    m = normprobe.discover(NormedValues(fused=fused), torch.randn(2, 5, 8))
+    assert [(n.path, n.role) for n in m.norms] == [("v_norm", "branch")]

@@ -31,7 +31,7 @@ from .model_map import (
 from .residual import FoundAdd, find_residual_adds
 from .stacks import FoundStack, executed_stacks, skipped_blocks, structural_stacks
 from .state import preserved
-from .trace import MATMUL_OPS, SCALE_OPS, SDPA_OPS, Graph, Key, trace
+from .trace import MATMUL_OPS, SCALE_OPS, SDPA_OPS, SOFTMAX_OPS, Graph, Key, trace
 
 
 class DiscoveryWarning(UserWarning):
@@ -693,13 +693,15 @@ class _Builder:
 
 def _feeding_scores(g: Graph) -> set[int]:
     """Nodes that reach an attention score (q·k) without passing a weight op: a norm there
-    normalizes queries or keys."""
-    todo = [
-        i
-        for n, op in enumerate(g.op)
-        if op in SDPA_OPS or (op in MATMUL_OPS and not g.weight[n] and len(g.inputs[n]) >= 2)
-        for i in g.inputs[n]
-    ]
+    normalizes queries or keys. Of fused attention, the query and key count; a product of
+    attention weights (a softmax's output) and values is no score."""
+    todo: list[int] = []
+    for n, op in enumerate(g.op):
+        inputs = g.inputs[n]
+        if op in SDPA_OPS:
+            todo += inputs[:2]
+        elif op in MATMUL_OPS and not g.weight[n] and len(inputs) >= 2 and not _weighs(g, inputs):
+            todo += inputs
     seen: set[int] = set()
     while todo:
         n = todo.pop()
@@ -709,6 +711,12 @@ def _feeding_scores(g: Graph) -> set[int]:
         if not g.weight[n]:
             todo.extend(g.inputs[n])
     return seen
+
+
+def _weighs(g: Graph, inputs: tuple[int, ...]) -> bool:
+    """Whether a product of ``inputs`` applies attention weights (a softmax's output, through
+    views and dropout) to values."""
+    return any(g.op[g.alias[i]] in SOFTMAX_OPS for i in inputs)
 
 
 def _before_scales(g: Graph, node: int) -> list[int]:
