@@ -295,3 +295,25 @@ class NormedValues(nn.Module):
 def test_a_norm_feeding_only_values_is_no_qk_norm(fused: bool) -> None:
     m = normprobe.discover(NormedValues(fused=fused), torch.randn(2, 5, 8))
     assert [(n.path, n.role) for n in m.norms] == [("v_norm", "branch")]
+
+
+def test_experts_a_router_passed_over_cost_no_second_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    from normprobe.discovery import mapping
+
+    class Experts(nn.Module):
+        """Four experts side by side, of which the input picks two."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList(Block(8) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.experts[0](x) + self.experts[2](x)
+
+    traces = []
+    trace = mapping.trace
+    monkeypatch.setattr(mapping, "trace", lambda *a, **k: traces.append(1) or trace(*a, **k))
+    normprobe.discover(Experts().train(), torch.randn(2, 5, 8))
+    assert len(traces) == 1
+    normprobe.discover(SkipsInTraining().train(), torch.randn(2, 5, 8))
+    assert len(traces) == 3  # a chain with a block missing: traced again in eval mode

@@ -84,12 +84,18 @@ def structural_stacks(model: nn.Module) -> list[FoundStack]:
 
 
 def skipped_blocks(candidates: list[FoundStack], g: Graph) -> list[str]:
-    """The blocks of containers of one class that did not run while others of theirs did."""
-    ran = {call.path for call in g.calls}
+    """The blocks of containers of one class that did not run while others of theirs did, in
+    a chain when more than one did (experts a router passed over run side by side)."""
+    first_call: dict[str, int] = {}
+    for cid, call in enumerate(g.calls):
+        first_call.setdefault(call.path, cid)
     skipped = []
     for cand in candidates:
-        if cand.generic and any(b in ran for b in cand.blocks):
-            skipped += [b for b in cand.blocks if b not in ran]
+        ran = sorted(first_call[b] for b in cand.blocks if b in first_call)
+        if not cand.generic or not ran or len(ran) == len(cand.blocks):
+            continue
+        if all(_feeds(g, ran[i], ran[i + 1]) for i in range(len(ran) - 1)):
+            skipped += [b for b in cand.blocks if b not in first_call]
     return skipped
 
 
