@@ -4,6 +4,7 @@ Lightning and Hugging Face callbacks."""
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from pathlib import Path
@@ -330,3 +331,37 @@ def test_the_hugging_face_callback_reads_the_loss_from_the_models_output(
     assert [s for s, _ in events.scalars[LOSS_Z]] == [30]
     grad_ratio = events.scalars[tags.format("grad_ratio", "gpt.transformer.h")]
     assert [s for s, _ in grad_ratio] == [20, 31, 32, 33, 40]
+
+
+def _gradient_passes(model: nn.Module, tokens: torch.Tensor, detector: bool) -> tuple[Any, int]:
+    """grad_norm's per-block values after one step, and the passes over the gradients taken."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = normprobe.MemorySink()
+    calls = []
+    norm = torch._foreach_norm
+
+    def counted(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        grads = {id(p.grad) for p in model.parameters()}
+        if tensors and all(id(t) in grads for t in tensors):  # a pass over gradients
+            calls.append(len(tensors))
+        return norm(tensors, *args, **kwargs)
+
+    spikes = normprobe.Spikes() if detector else None
+    with normprobe.attach(model, opt, sinks=[sink], metrics=["grad_norm"], spikes=spikes):
+        torch._foreach_norm = counted
+        try:
+            model.loss(tokens, tokens).backward()
+            opt.step()
+        finally:
+            torch._foreach_norm = norm
+    return sink.records[0].profiles[tags.format("grad_norm", "blocks")], len(calls)
+
+
+def test_grad_norm_reuses_the_detectors_pass_over_the_gradients() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer(width=32, depth=3, context=16)
+    tokens = torch.randint(0, 96, (2, 16))
+    with_detector = _gradient_passes(copy.deepcopy(model), tokens, detector=True)
+    without = _gradient_passes(copy.deepcopy(model), tokens, detector=False)
+    assert with_detector[0] == pytest.approx(without[0], rel=1e-6)
+    assert (with_detector[1], without[1]) == (1, 1)  # the detector's pass, or grad_norm's own

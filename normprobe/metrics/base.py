@@ -91,6 +91,9 @@ class Plan(Protocol):
     param_reduce: Reduce  # "mean", or "sum" when every rank holds a shard of the parameters
     compiled: bool  # the hooks stay registered and must not change a compiled graph
     measured: Measured
+    # this step's sum of squared gradients of each block of `stacks()`, in order, when the spike
+    # detector has taken them already (one pass over the gradients, not two); else None
+    block_grad_squares: torch.Tensor | None
 
     def slot(self, size: int, reduce: Reduce) -> Slot: ...
 

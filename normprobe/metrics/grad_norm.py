@@ -37,13 +37,17 @@ class GradNorm(Family):
         zeros: dict[torch.device, torch.Tensor] = {}
 
         def read() -> None:
-            device = params.params[0].device
-            zero = zeros.setdefault(device, torch.zeros((), device=device))
-            grads = [zero if p.grad is None else p.grad for p in params.params]
-            with torch.no_grad():
-                squares = probes.group_sums(
-                    probes.squared_norms(grads), params.index(device), params.count
-                )
+            shared = plan.block_grad_squares
+            if shared is not None and len(shared) == params.count:
+                squares = shared.clone()  # the spike detector's buffer is its own
+            else:
+                device = params.params[0].device
+                zero = zeros.setdefault(device, torch.zeros((), device=device))
+                grads = [zero if p.grad is None else p.grad for p in params.params]
+                with torch.no_grad():
+                    squares = probes.group_sums(
+                        probes.squared_norms(grads), params.index(device), params.count
+                    )
             for stack, blocks in params.blocks.items():
                 plan.measured.put(slots[stack], squares[blocks])
 

@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from .. import probes, tags
@@ -71,6 +72,7 @@ class ProbePlan:
         self.param_reduce: Reduce = "sum" if sharded else param_reduce
         self.compiled = compiled
         self.measured = measured
+        self.block_grad_squares: torch.Tensor | None = None
         self.hooks = hooks
         self.layout = Layout()
         self.name_prefix = name_prefix

@@ -178,10 +178,17 @@ class Probe:
     def before_optimizer_step(self) -> None:
         """Read gradients and gains, and keep what the update ratio compares against; check
         the step for a spike."""
-        if self._spikes is not None:
-            self._spikes.detector.watch(self.step_count)
+        detector = self._spikes.detector if self._spikes is not None else None
+        if detector is not None:
+            detector.watch(self.step_count)
         if self._logged and self._plan is not None:
-            self._plan.run("before_step")
+            plan = self._plan
+            if detector is not None and plan.param_reduce != "sum":  # not a rank's shard alone
+                plan.block_grad_squares = detector.block_squares()
+            try:
+                plan.run("before_step")
+            finally:
+                plan.block_grad_squares = None
 
     def end_step(self, stepped: bool = True) -> None:
         """After the optimizer step: measure the update and write the step (if logged), and

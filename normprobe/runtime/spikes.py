@@ -173,6 +173,11 @@ class SpikeDetector:
         self._send(step)
         self._loss, self._losses = None, 0
 
+    def block_squares(self) -> torch.Tensor | None:
+        """The last watched step's sum of squared gradients of each block (in float32, in the
+        order of the blocks given), or None where they were not summed in one fused pass."""
+        return self._sums[1:] if self._fused and self._device is not None else None
+
     def found(self, wait: bool = False) -> list[SpikeEvent]:
         """The spikes among the checked steps whose verdicts have reached the host (all of
         them with ``wait``), in step order."""
