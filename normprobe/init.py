@@ -189,7 +189,12 @@ class _Applied:
 
 
 class _Wrapper(nn.Module):
-    """Calls ``inner`` and reads unknown attributes (``weight``, ``in_features``) from it."""
+    """Calls ``inner`` and reads unknown attributes (``weight``, ``in_features``) from it.
+
+    A subclass registers its own parameters and buffers before it sets ``inner``: torch
+    refuses a name the module already answers to, and an inner layer may have an attribute of
+    that name (timm's ``ScaledStdConv2d`` has a float ``scale``).
+    """
 
     inner: nn.Module
 
@@ -223,14 +228,14 @@ class BranchScale(_Wrapper):
         gain_offset: float | None = None,
     ) -> None:
         super().__init__()
-        self.inner = inner
-        self.kind = kind
-        self.channel_dim = channel_dim
-        self.gain_offset = gain_offset  # set when ``inner`` is a norm: how to fold into its gain
         if learnable:
             self.scale = nn.Parameter(value)
         else:
             self.register_buffer("scale", value)
+        self.inner = inner
+        self.kind = kind
+        self.channel_dim = channel_dim
+        self.gain_offset = gain_offset  # set when ``inner`` is a norm: how to fold into its gain
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = self.inner(*args, **kwargs)
@@ -252,13 +257,13 @@ class FixupScalars(_Wrapper):
 
     def __init__(self, inner: nn.Module, last: bool) -> None:
         super().__init__()
-        self.inner = inner
         like = next(inner.parameters())
         self.bias_in = nn.Parameter(torch.zeros((), dtype=like.dtype, device=like.device))
         self.bias_out = nn.Parameter(torch.zeros((), dtype=like.dtype, device=like.device))
         self.scale = (
             nn.Parameter(torch.ones((), dtype=like.dtype, device=like.device)) if last else None
         )
+        self.inner = inner
 
     def reset(self) -> None:
         with torch.no_grad():
@@ -828,9 +833,10 @@ def _scheme_fixup(t: _Target, *, mode: Any) -> None:
     n_branches = len(adds)
     on_branches: set[str] = set()
     plan: list[tuple[str, bool]] = []  # (layer path, last on its branch)
+    for a in adds:  # every refusal before any change
+        _placeable(t, a)
     with torch.no_grad():
         for a in adds:
-            _placeable(t, a)
             layers = [p for p in a.branch_layers if not isinstance(t.module(p), nn.Embedding)]
             on_branches.update(layers)
             m = len(layers)

@@ -647,3 +647,59 @@ def test_reinit_of_a_hugging_face_model_needs_no_inputs() -> None:
         for layer in (block.attn.c_proj, block.mlp.c_proj):
             assert layer.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.1)
     assert model.transformer.h[0].mlp.c_fc.weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+class _Block(nn.Module):
+    def __init__(self, open_path: bool = False) -> None:
+        super().__init__()
+        self.open_path = open_path
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        branch = self.b(torch.relu(self.a(x)))
+        # tanh(x) reaches the add without a weight layer: scaling b scales only part of it
+        return x + (branch - torch.tanh(x) if self.open_path else branch)
+
+
+class _LastBlockOpen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block(), _Block(open_path=True)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_fixup_refusing_a_late_branch_leaves_the_earlier_ones_as_they_were() -> None:
+    model = _LastBlockOpen()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"blocks\.2#0 reaches the add without"):
+        normprobe.reinit(model, "fixup", example_inputs=(torch.randn(4, 8),))
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("call", ["fixup", "rezero"])
+def test_wrapping_a_layer_with_a_scale_attribute_of_its_own(call: str) -> None:
+    # timm's ScaledStdConv2d (NF-ResNet) keeps a float `scale`; the wrappers' own `scale`
+    # parameter must not collide with it
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("nf_resnet26", pretrained=False, num_classes=4)
+    x = torch.randn(2, 3, 32, 32)
+    if call == "fixup":
+        normprobe.reinit(model, "fixup", example_inputs=(x,))
+        wrapped = [m for m in model.modules() if isinstance(m, FixupScalars)]
+        assert all(m.scale is None or m.scale.item() == 1.0 for m in wrapped)
+    else:
+        normprobe.insert_branch_scale(model, "rezero", example_inputs=(x,))
+        wrapped = [m for m in model.modules() if isinstance(m, BranchScale)]
+        assert all(m.scale.item() == 0.0 for m in wrapped)
+    assert wrapped and all(isinstance(m.inner.scale, float) for m in wrapped)  # the conv's own
+    assert model(x).isfinite().all()
