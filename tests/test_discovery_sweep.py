@@ -317,3 +317,17 @@ def test_experts_a_router_passed_over_cost_no_second_trace(monkeypatch: pytest.M
     assert len(traces) == 1
     normprobe.discover(SkipsInTraining().train(), torch.randn(2, 5, 8))
     assert len(traces) == 3  # a chain with a block missing: traced again in eval mode
+
+
+def test_an_add_belongs_to_the_block_performing_it_not_to_a_stack_in_its_branch() -> None:
+    # HGNetV2's block adds its input to an aggregation of a chain of convolutions, a stack of
+    # its own inside the branch: the add is the block's, in stages.2.blocks
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("hgnetv2_b0", pretrained=False, num_classes=4)
+    m = normprobe.discover(model, torch.randn(2, 3, 64, 64))
+    assert [(a.module, a.stack, a.block) for a in m.residual_adds] == [
+        ("stages.2.blocks.1", "stages.2.blocks", 1)
+    ]
+    assert len(m.adds_in("stages.2.blocks")) == 1

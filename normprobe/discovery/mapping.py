@@ -511,7 +511,9 @@ class _Builder:
     # residual adds ----------------------------------------------------------------------------
     def _add_where(self, a: FoundAdd) -> tuple[str | None, int | None]:
         """The stack and block of an add: the innermost block holding its last writer (else
-        the module performing it); a repeated block's index is the run it happened in."""
+        the module performing it) that also holds that module, if one does: not a stack
+        inside its own branch (HGNet's aggregation chain); a repeated block's index is the
+        run it happened in."""
         g = self.g
         assert g is not None
         module = g.calls[a.call].path
@@ -520,7 +522,9 @@ class _Builder:
         found = self._blocks_of(anchor or "")
         if not found:
             return None, None
-        stack, index = found[0]
+        # a repeated block's stack lists that one block once per run
+        holding = [(s, i) for s, i in found if _within(module, self._stack_blocks(s)[i or 0])]
+        stack, index = holding[0] if holding else found[0]
         if index is None:  # a repeated block: count its runs up to this add
             block = self._stack_blocks(stack)[0]
             start = g.call[a.writes.writers[-1]] if a.writes.writers else a.call
