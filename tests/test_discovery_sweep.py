@@ -5,6 +5,7 @@ keep their place in their stack."""
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -331,3 +332,27 @@ def test_an_add_belongs_to_the_block_performing_it_not_to_a_stack_in_its_branch(
         ("stages.2.blocks.1", "stages.2.blocks", 1)
     ]
     assert len(m.adds_in("stages.2.blocks")) == 1
+
+
+def test_a_projection_shortcut_pooled_after_its_layer_is_a_residual_add() -> None:
+    # Hiera's stage-changing blocks project the normed input and take the max over the pooled
+    # positions (in the block's own forward) as the skip of the attention branch
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("hiera_tiny_224", pretrained=False, num_classes=4, img_size=64)
+    m = normprobe.discover(model, torch.randn(2, 3, 64, 64))
+    per_block = Counter(a.module for a in m.residual_adds)
+    assert set(per_block.values()) == {2} and len(per_block) == len(model.blocks)
+    assert [(s.path, s.placement) for s in m.stacks] == [("blocks", "pre-ln")]
+
+
+def test_a_term_added_to_attention_from_its_own_values_is_no_residual_add() -> None:
+    # EfficientFormerV2's attention returns attn @ v + v_local(v): both sides read v, which
+    # the attention computed with a convolution; it is no stream and v_local no shortcut
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("efficientformerv2_s0", pretrained=False, num_classes=4, img_size=64)
+    m = normprobe.discover(model, torch.randn(2, 3, 64, 64))
+    assert not [a.module for a in m.residual_adds if a.module.endswith(".attn")]

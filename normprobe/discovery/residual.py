@@ -9,9 +9,11 @@ An add ``a + b`` of two activations of the same shape is residual when
   ``x + 0.044715 x**3`` and the ``+ x`` of a global response norm, whose branch holds only
   elementwise parameters; or
 * ``projection``: neither is an ancestor of the other, both descend from a common input of the
-  enclosing module call, and one side is a single child module applying one weight (ResNet's
-  downsample) while the other applies more; this excludes GPT-NeoX's ``attn_out + mlp_out``
-  and sums of experts.
+  enclosing module call (or a value made from one without a weight op, as a norm makes it),
+  and one side applies one weight, in a single child module (ResNet's downsample; views and
+  pooling around it aside, as Hiera pools its projected shortcut), while the other applies
+  more; this excludes GPT-NeoX's ``attn_out + mlp_out``, sums of experts and terms a module
+  adds from values it computed itself (EfficientFormerV2's ``attn @ v + conv(v)``).
 
 A further branch added onto a residual sum, reading the stream that sum's skip came from
 (Cohere's ``x + attn + mlp``), joins that add: one add, several branches. Ancestry runs through
@@ -149,12 +151,29 @@ def _projection(g: Graph, a: int, b: int, cid: int) -> tuple[int, int, set[int],
     # deeper; parallel branches (experts, GPT-NeoX's attn_out + mlp_out, a shared expert
     # beside routed ones) are not a skip.
     fork = max(shared)
+    if not _reads_input(g, fork, floor):  # EfficientFormerV2's `attn @ v + conv(v)`
+        return None
     depth_a, depth_b = _depth(g, only_a), _depth(g, only_b)
     if depth_a == 1 < depth_b and _single_child(g, only_a, cid):
         return a, b, only_b, fork
     if depth_b == 1 < depth_a and _single_child(g, only_b, cid):
         return b, a, only_a, fork
     return None
+
+
+def _reads_input(g: Graph, node: int, floor: int) -> bool:
+    """Whether ``node`` is an input of the call (made before ``floor``) or made from one
+    without a weight op (a norm, a view): the stream, not a value the call computed."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n <= floor:
+            return True
+        if n in seen or g.weight[n]:
+            continue
+        seen.add(n)
+        todo.extend(g.inputs[n])
+    return False
 
 
 def _depth(g: Graph, region: set[int]) -> int:
@@ -167,9 +186,13 @@ def _depth(g: Graph, region: set[int]) -> int:
 
 
 def _single_child(g: Graph, nodes: set[int], cid: int) -> bool:
-    """Whether all ``nodes`` were computed inside one direct child call of call ``cid``."""
+    """Whether the weight ops among ``nodes`` were computed inside one direct child call of
+    call ``cid`` (views and pooling around it may be the call's own: Hiera's shortcut is a
+    projection, then a max over the pooled positions)."""
     child = None
     for n in nodes:
+        if not g.weight[n]:
+            continue
         c = g.call[n]
         while c is not None and g.calls[c].parent != cid:
             c = g.calls[c].parent
