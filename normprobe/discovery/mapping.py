@@ -208,11 +208,7 @@ class _Builder:
             b: (s.path, i) for s in stacks if not s.repeated for i, b in enumerate(s.blocks)
         }
         self.repeated = {s.blocks[0]: s.path for s in stacks if s.repeated}
-        first_call: dict[str, int] = {}
-        if g is not None:
-            for cid, call in enumerate(g.calls):
-                first_call.setdefault(call.path, cid)
-        self.first_call = first_call
+        self.first_call = g.first_calls() if g is not None else {}
         found_norms = self._norms()
         attention = find_attention(g) if g is not None else {}
         self.add_where = [self._add_where(a) for a in adds]

@@ -86,15 +86,13 @@ def structural_stacks(model: nn.Module) -> list[FoundStack]:
 def skipped_blocks(candidates: list[FoundStack], g: Graph) -> list[str]:
     """The blocks of containers of one class that did not run while others of theirs did, in
     a chain when more than one did (experts a router passed over run side by side)."""
-    first_call: dict[str, int] = {}
-    for cid, call in enumerate(g.calls):
-        first_call.setdefault(call.path, cid)
+    first_call = g.first_calls()
     skipped = []
     for cand in candidates:
         ran = sorted(first_call[b] for b in cand.blocks if b in first_call)
         if not cand.generic or not ran or len(ran) == len(cand.blocks):
             continue
-        if all(_feeds(g, ran[i], ran[i + 1]) for i in range(len(ran) - 1)):
+        if _chained(g, ran):
             skipped += [b for b in cand.blocks if b not in first_call]
     return skipped
 
@@ -111,17 +109,14 @@ def executed_stacks(
     perform residual adds (``has_adds(path)``, some of them), and so must repeated modules:
     two chained layers of a block are no depth axis.
     """
-    first_call: dict[str, int] = {}
     calls_of: dict[str, list[int]] = {}
     for cid, call in enumerate(g.calls):
-        first_call.setdefault(call.path, cid)
         calls_of.setdefault(call.path, []).append(cid)
+    first_call = {path: cids[0] for path, cids in calls_of.items()}
     kept: list[tuple[int, FoundStack]] = []
     for cand in candidates:
         ran = sorted((first_call[b], b) for b in cand.blocks if b in first_call)
-        if len(ran) < 2 or not all(
-            _feeds(g, ran[i][0], ran[i + 1][0]) for i in range(len(ran) - 1)
-        ):
+        if len(ran) < 2 or not _chained(g, [cid for cid, _ in ran]):
             continue
         if not cand.generic and not any(has_adds(b) for _, b in ran):
             continue
@@ -145,7 +140,7 @@ def executed_stacks(
     for path, cids in calls_of.items():
         if len(cids) < 2 or not has_adds(path) or _inside_repeated(path, repeated, calls_of):
             continue
-        if not all(_feeds(g, cids[i], cids[i + 1]) for i in range(len(cids) - 1)):
+        if not _chained(g, cids):
             continue
         repeated.add(path)
         block_type = type(g.calls[cids[0]].module).__name__
@@ -158,6 +153,11 @@ def _inside_repeated(path: str, repeated: set[str], calls_of: dict[str, list[int
     return any(
         path.startswith(r + ".") and len(calls_of[r]) == len(calls_of[path]) for r in repeated
     )
+
+
+def _chained(g: Graph, cids: list[int]) -> bool:
+    """Whether each of the calls ``cids`` (in execution order) feeds the next."""
+    return all(_feeds(g, cids[i], cids[i + 1]) for i in range(len(cids) - 1))
 
 
 def _feeds(g: Graph, earlier: int, later: int) -> bool:

@@ -241,6 +241,13 @@ class Graph:
     def __len__(self) -> int:
         return len(self.op)
 
+    def first_calls(self) -> dict[str, int]:
+        """Each called module's path -> the index in `calls` of its first call."""
+        first: dict[str, int] = {}
+        for cid, call in enumerate(self.calls):
+            first.setdefault(call.path, cid)
+        return first
+
     def region(self, start: int, floor: int) -> tuple[set[int], set[int]]:
         """Walk back from `start` through activation inputs, visiting nodes above `floor`.
 
