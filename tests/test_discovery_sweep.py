@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 from torch import nn
+from zoo_hf import wav2vec2_config
 
 import normprobe
 
@@ -104,24 +105,11 @@ def test_a_block_skipped_in_training_keeps_its_place() -> None:
 
 
 def test_layerdrop_in_wav2vec2_loses_no_block() -> None:
-    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+    from transformers import Wav2Vec2ForCTC
 
-    config = Wav2Vec2Config(
-        vocab_size=32,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=64,
-        conv_dim=(16, 16),
-        conv_stride=(5, 2),
-        conv_kernel=(10, 3),
-        num_conv_pos_embeddings=8,
-        num_conv_pos_embedding_groups=4,
-        mask_time_prob=0.0,
-        layerdrop=0.5,  # half the layers skipped in a training forward, on average
-    )
     torch.manual_seed(0)
-    model = Wav2Vec2ForCTC(config).train()
+    # half the layers skipped in a training forward, on average
+    model = Wav2Vec2ForCTC(wav2vec2_config(layers=4, layerdrop=0.5)).train()
     x = torch.randn(2, 1000)
     for seed in range(3):
         torch.manual_seed(seed)

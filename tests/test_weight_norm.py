@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
+from zoo_hf import wav2vec2_config
 
 import normprobe
 from normprobe.discovery import ModelMap
@@ -192,22 +193,8 @@ def test_wav2vec2_positional_conv() -> None:
     """wav2vec2's positional conv (``weight_norm(conv, dim=2)``) writes into the encoder's
     stream: 0.02 / sqrt(2 * 2) for its 2 layers, over 32 x 8 x 8 = 2048 weights."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.Wav2Vec2Config(
-        vocab_size=32,
-        hidden_size=WIDTH,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        conv_dim=(16, 16),
-        conv_stride=(5, 2),
-        conv_kernel=(10, 3),
-        num_conv_pos_embeddings=8,
-        num_conv_pos_embedding_groups=4,
-        layerdrop=0.0,
-        mask_time_prob=0.0,
-    )
     torch.manual_seed(0)
-    model = transformers.Wav2Vec2Model(config)
+    model = transformers.Wav2Vec2Model(wav2vec2_config(layers=2, layerdrop=0.0))
     audio = torch.randn(2, 800, generator=torch.Generator().manual_seed(0))
     conv = model.encoder.pos_conv_embed.conv
     path = "encoder.pos_conv_embed.conv"

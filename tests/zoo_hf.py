@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from zoo import Expected
 
-__all__ = ["BUILDERS", "HOOK_DEPENDENT"]
+__all__ = ["BUILDERS", "HOOK_DEPENDENT", "wav2vec2_config"]
 
 VOCAB = 128
 SEQ = 16
@@ -55,6 +55,28 @@ def _config(cls: Callable[..., Any], **kwargs: Any) -> Any:
 
 def _lm_ids() -> dict[str, Any]:
     return {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def wav2vec2_config(layers: int, layerdrop: float) -> Any:
+    """A tiny wav2vec2 (width 32, two conv layers taking audio of about 1,000 samples down by
+    10, a weight-normed positional conv) whose training forwards skip each of its ``layers``
+    transformer layers with probability ``layerdrop``."""
+    from transformers import Wav2Vec2Config
+
+    return Wav2Vec2Config(
+        vocab_size=32,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=4,
+        mask_time_prob=0.0,
+        layerdrop=layerdrop,
+    )
 
 
 # --------------------------------------------------------------------------------------------
