@@ -184,6 +184,115 @@ def squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n if n.device == device else n.to(device) for n in norms]).pow(2)
 
 
+# Tensors of at most this many entries are reduced by shape (`ByShape`): a CPU spends a few
+# microseconds on each call, most of a small tensor's cost, and a large one's arithmetic outweighs
+# its call. The stacked copy of a group is as large as the group's tensors.
+SMALL_NUMEL = 1 << 14
+
+
+class ByShape:
+    """A fixed list of tensors (a model's parameters, or their gradients, in the same order)
+    reduced by shape: the small plain tensors of one shape, dtype and device in one call on
+    their stacked copy, every other one (large, float64, a DTensor) as `squared_norms` does.
+
+    Host work then grows with the number of shapes, not of tensors: a 48-block stack's 194
+    parameters are 2 groups. Results come in the list's order.
+    """
+
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], groupable: Sequence[bool] | None = None
+    ) -> None:
+        """``groupable``: which tensors may join a group (all by default)."""
+        self.count = len(tensors)
+        by_key: dict[tuple[object, ...], list[int]] = {}
+        for i, t in enumerate(tensors):
+            small = t.numel() <= SMALL_NUMEL and t.dtype != torch.float64
+            plain = type(t) in (torch.Tensor, torch.nn.Parameter)  # no DTensor, no subclass
+            if small and plain and (groupable is None or groupable[i]):
+                by_key.setdefault((t.shape, t.dtype, t.device), []).append(i)
+        self.groups = [group for group in by_key.values() if len(group) > 1]
+        grouped = {i for group in self.groups for i in group}
+        self.alone = [i for i in range(self.count) if i not in grouped]
+        wide = any(tensors[i].dtype == torch.float64 for i in self.alone)
+        self.dtype = torch.float64 if wide else torch.float32
+        self._positions: dict[torch.device, list[torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def squared_norms(
+        self, tensors: Sequence[torch.Tensor | None], device: torch.device
+    ) -> torch.Tensor:
+        """`squared_norms` of ``tensors`` (None: 0), one value each on ``device``."""
+        out = torch.zeros(self.count, dtype=self.dtype, device=device)
+        positions = self._positions_on(device)
+        for group, where in zip(self.groups, positions, strict=False):
+            members = [tensors[i] for i in group]
+            present = [t for t in members if t is not None]
+            if len(present) < len(members):  # gradients not made yet: 0
+                if not present:
+                    continue
+                where = torch.tensor([i for i in group if tensors[i] is not None], device=device)
+            out.index_copy_(0, where, _row_squares(torch.stack(present)).to(device, self.dtype))
+        alone = [(i, t) for i in self.alone if (t := tensors[i]) is not None]
+        if alone:
+            if len(alone) < len(self.alone):
+                where = torch.tensor([i for i, _ in alone], device=device)
+            else:
+                where = positions[-1]
+            squares = squared_norms([t for _, t in alone])
+            out.index_copy_(0, where, squares.to(device, self.dtype))
+        return out
+
+    @torch.no_grad()
+    def copies(self, tensors: Sequence[torch.Tensor], strides: Sequence[int]) -> list[torch.Tensor]:
+        """What `change_squares` compares against once ``tensors`` changed: a stacked copy of
+        each group (whose strides must be 1), then `strided_samples` of the others."""
+        groups = [torch.stack([tensors[i] for i in group]) for group in self.groups]
+        alone = [tensors[i] for i in self.alone]
+        return groups + strided_samples(alone, [strides[i] for i in self.alone])
+
+    @torch.no_grad()
+    def change_squares(
+        self,
+        tensors: Sequence[torch.Tensor],
+        strides: Sequence[int],
+        copies: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per tensor, in float32: the sum of squares of its change since `copies` was taken,
+        and of its old value (of the strided sample, for a tensor alone with a stride above 1:
+        times its stride, that estimates the whole tensor's)."""
+        device = copies[0].device
+        change = torch.zeros(self.count, device=device)
+        old = torch.zeros(self.count, device=device)
+        positions = self._positions_on(device)
+        for group, before, where in zip(self.groups, copies, positions, strict=False):
+            now = torch.stack([tensors[i] for i in group])
+            change.index_copy_(0, where, _row_squares(now.sub_(before)).to(device))
+            old.index_copy_(0, where, _row_squares(before).to(device))
+        if self.alone:
+            before_alone = list(copies[len(self.groups) :])
+            views = strided_views(
+                [tensors[i] for i in self.alone], [strides[i] for i in self.alone]
+            )
+            moved = squared_norms(torch._foreach_sub(views, before_alone))
+            change.index_copy_(0, positions[-1], moved.to(device, torch.float32))
+            old.index_copy_(0, positions[-1], squared_norms(before_alone).to(device, torch.float32))
+        return change, old
+
+    def _positions_on(self, device: torch.device) -> list[torch.Tensor]:
+        """Each group's positions as an index tensor on ``device``, then the others' (made
+        once per device)."""
+        if device not in self._positions:
+            lists = [*self.groups, self.alone]
+            self._positions[device] = [torch.tensor(p, device=device) for p in lists]
+        return self._positions[device]
+
+
+def _row_squares(stacked: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of each tensor stacked along the first axis, in float32."""
+    rows = stacked.reshape(len(stacked), -1)
+    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32).pow_(2)
+
+
 def group_sums(values: torch.Tensor, index: torch.Tensor, groups: int) -> torch.Tensor:
     """``out[g]``: the sum of the ``values[i]`` with ``index[i] == g``, for ``g < groups``."""
     return values.new_zeros(groups).index_add_(0, index, values)
@@ -196,37 +305,8 @@ def strided_views(tensors: Sequence[torch.Tensor], strides: Sequence[int]) -> li
 
 
 def strided_samples(tensors: Sequence[torch.Tensor], strides: Sequence[int]) -> list[torch.Tensor]:
-    """Copies of `strided_views`: what `update_squares` compares against after a step."""
+    """Copies of `strided_views`: what `ByShape.change_squares` compares against."""
     return [view.clone() for view in strided_views(tensors, strides)]
-
-
-def update_squares(
-    params: Sequence[torch.Tensor],
-    strides: Sequence[int],
-    before: Sequence[torch.Tensor],
-    weights: torch.Tensor,
-    index: torch.Tensor,
-    groups: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Squared size of each group's change across an optimizer step, and of its old value.
-
-    ``sqrt(change / old)`` is the update-to-weight ratio ||new - old|| / ||old||.
-
-    Args:
-        params: the parameters, after the step.
-        strides: each parameter's sampling stride.
-        before: `strided_samples` of ``params`` taken before the step.
-        weights: the strides as a float32 tensor: a strided sample's squared sum times its
-            stride estimates the whole tensor's (exact with stride 1).
-        index: the group of each parameter.
-        groups: the number of groups.
-
-    Returns:
-        Two float32 vectors, one value per group.
-    """
-    change = squared_norms(torch._foreach_sub(strided_views(params, strides), list(before)))
-    old = squared_norms(before)
-    return group_sums(change * weights, index, groups), group_sums(old * weights, index, groups)
 
 
 def logit_stats(logits: torch.Tensor) -> torch.Tensor:

@@ -65,24 +65,72 @@ def test_squared_norms_summed_by_block() -> None:
     assert wide.dtype == torch.float64 and wide.tolist() == pytest.approx([25, 144])
 
 
-def test_update_squares_exact_and_sampled() -> None:
-    # group 0 holds p (3, 4) -> (3, 4.5) and q (0) -> (1); group 1 holds big
-    p, q = torch.tensor([3.0, 4.0]), torch.tensor([0.0])
+def test_by_shape_squared_norms_match_one_by_one() -> None:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(probes.SMALL_NUMEL + 1, generator=g)  # reduced alone
+    tensors: list[torch.Tensor | None] = [
+        torch.tensor([3.0, 4.0]),
+        torch.randn(4, 4, generator=g),
+        torch.tensor([0.0, 12.0]),
+        big,
+        torch.randn(4, 4, generator=g).bfloat16(),
+        torch.randn(4, 4, generator=g),
+        torch.randn(4, 4, generator=g).bfloat16(),
+        torch.tensor([1.0, 1.0]),  # its group's other members have no gradient yet
+        torch.randn(3, generator=g),  # alone: no other tensor has its shape
+    ]
+    present = [t for t in tensors if t is not None]
+    by_shape = probes.ByShape(present)
+    assert sorted(map(sorted, by_shape.groups)) == [[0, 2, 7], [1, 5], [4, 6]]
+    assert by_shape.alone == [3, 8]
+    want = probes.squared_norms(present)
+    got = by_shape.squared_norms(present, torch.device("cpu"))
+    assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-5)
+    assert got[:3].tolist() == pytest.approx([25.0, float(want[1]), 144.0])
+    # gradients missing (None) count 0: a whole group, part of one, a tensor alone
+    tensors[1] = tensors[5] = tensors[0] = tensors[8] = None
+    got = by_shape.squared_norms(tensors, torch.device("cpu"))
+    assert [got[i].item() for i in (0, 1, 5, 8)] == [0.0] * 4
+    assert got[2].item() == 144.0 and got[7].item() == pytest.approx(2.0)
+    assert got[3].item() == pytest.approx(float(big.square().sum()), rel=1e-5)
+
+
+def test_by_shape_float64_widens_and_subclasses_stay_alone() -> None:
+    class Marked(torch.Tensor):
+        pass
+
+    wide = [torch.full((2,), 3.0, dtype=torch.float64) for _ in range(2)]
+    marked = torch.ones(2).as_subclass(Marked)
+    tensors = [*wide, marked, torch.ones(2), torch.full((2,), 2.0)]
+    by_shape = probes.ByShape(tensors)
+    assert by_shape.groups == [[3, 4]] and by_shape.alone == [0, 1, 2]
+    got = by_shape.squared_norms(tensors, torch.device("cpu"))
+    assert got.dtype == torch.float64 and got.tolist() == pytest.approx([18.0, 18.0, 2.0, 2.0, 8.0])
+
+
+def test_change_squares_exact_and_sampled() -> None:
+    # p (3, 4) -> (3, 4.5) and q (0, 0) -> (1, 0) are a group, copied whole; big alone, sampled
+    p, q = torch.tensor([3.0, 4.0]), torch.tensor([0.0, 0.0])
     # a strided sample scaled by its stride estimates the whole tensor: every 3rd entry of
     # a constant tensor, times 3, is exact
     big = torch.full((30, 7), 2.0)
     stride = probes.sample_stride(big.shape, budget=70)
     assert stride == 3 and 7 % stride != 0
     params, strides = [p, q, big], [1, 1, stride]
-    before = probes.strided_samples(params, strides)
-    assert before[2].numel() == 70 and before[0] is not p
+    by_shape = probes.ByShape(params, groupable=[s == 1 for s in strides])
+    assert by_shape.groups == [[0, 1]] and by_shape.alone == [2]
+    before = by_shape.copies(params, strides)
+    assert before[0].shape == (2, 2) and before[1].numel() == 70
     p[1], q[0] = 4.5, 1.0
     big += 1.0
-    change, old = probes.update_squares(
-        params, strides, before, torch.tensor([1.0, 1.0, 3.0]), torch.tensor([0, 0, 1]), 2
+    change, old = by_shape.change_squares(params, strides, before)
+    assert change.tolist() == pytest.approx([0.25, 1.0, 70 * 1.0])
+    assert old.tolist() == pytest.approx([25.0, 0.0, 70 * 4.0])
+    # times the stride, the sample's sums are the whole tensor's: 210 entries
+    weighted = change * torch.tensor([1.0, 1.0, 3.0])
+    assert probes.group_sums(weighted, torch.tensor([0, 0, 1]), 2).tolist() == pytest.approx(
+        [1.25, 210.0]
     )
-    assert change.tolist() == pytest.approx([0.25 + 1.0, 210 * 1.0])
-    assert old.tolist() == pytest.approx([25.0, 210 * 4.0])
 
 
 def test_logit_stats() -> None:

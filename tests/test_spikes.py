@@ -4,6 +4,7 @@ Lightning and Hugging Face callbacks."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import warnings
@@ -334,27 +335,33 @@ def test_the_hugging_face_callback_reads_the_loss_from_the_models_output(
 
 
 def _gradient_passes(model: nn.Module, tokens: torch.Tensor, detector: bool) -> tuple[Any, int]:
-    """grad_norm's per-block values after one step, and the passes over the gradients taken."""
+    """grad_norm's per-block values after one step, and the passes over the gradients taken:
+    the most times one gradient was handed to a batched norm or a stack (`probes.ByShape`)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sink = normprobe.MemorySink()
-    calls = []
-    norm = torch._foreach_norm
+    reduced: collections.Counter[int] = collections.Counter()
+    originals = {"_foreach_norm": torch._foreach_norm, "stack": torch.stack}
 
-    def counted(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        grads = {id(p.grad) for p in model.parameters()}
-        if tensors and all(id(t) in grads for t in tensors):  # a pass over gradients
-            calls.append(len(tensors))
-        return norm(tensors, *args, **kwargs)
+    def counting(name: str) -> Any:
+        def call(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            grads = {id(p.grad) for p in model.parameters()}
+            if tensors and all(id(t) in grads for t in tensors):
+                reduced.update(id(t) for t in tensors)
+            return originals[name](tensors, *args, **kwargs)
+
+        return call
 
     spikes = normprobe.Spikes() if detector else None
     with normprobe.attach(model, opt, sinks=[sink], metrics=["grad_norm"], spikes=spikes):
-        torch._foreach_norm = counted
+        for name in originals:
+            setattr(torch, name, counting(name))
         try:
             model.loss(tokens, tokens).backward()
             opt.step()
         finally:
-            torch._foreach_norm = norm
-    return sink.records[0].profiles[tags.format("grad_norm", "blocks")], len(calls)
+            for name, original in originals.items():
+                setattr(torch, name, original)
+    return sink.records[0].profiles[tags.format("grad_norm", "blocks")], max(reduced.values())
 
 
 def test_grad_norm_reuses_the_detectors_pass_over_the_gradients() -> None:

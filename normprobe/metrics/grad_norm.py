@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 import statistics
 
-import torch
-
 from .. import probes, tags
 from .base import SUSTAIN, Family, Flag, Out, Plan, Run, Series, Values, placement, sustained
 from .params import BlockParams
@@ -34,7 +32,6 @@ class GradNorm(Family):
         if not params.params:
             return
         slots = {s.path: plan.slot(s.depth, plan.param_reduce) for s in plan.stacks()}
-        zeros: dict[torch.device, torch.Tensor] = {}
 
         def read() -> None:
             shared = plan.block_grad_squares
@@ -42,12 +39,10 @@ class GradNorm(Family):
                 squares = shared.clone()  # the spike detector's buffer is its own
             else:
                 device = params.params[0].device
-                zero = zeros.setdefault(device, torch.zeros((), device=device))
-                grads = [zero if p.grad is None else p.grad for p in params.params]
-                with torch.no_grad():
-                    squares = probes.group_sums(
-                        probes.squared_norms(grads), params.index(device), params.count
-                    )
+                grads = [p.grad for p in params.params]
+                squares = probes.group_sums(
+                    params.by_shape.squared_norms(grads, device), params.index(device), params.count
+                )
             for stack, blocks in params.blocks.items():
                 plan.measured.put(slots[stack], squares[blocks])
 

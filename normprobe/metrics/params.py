@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from .. import probes
 from .base import Out, Plan, Slot, Values
 
 
@@ -29,6 +30,7 @@ class BlockParams:
                 self.count += 1
             self.blocks[s.path] = slice(self.count - len(s.blocks), self.count)
         self._index: dict[torch.device, torch.Tensor] = {}
+        self.by_shape = probes.ByShape(self.params)
 
     @staticmethod
     def of(plan: Plan) -> BlockParams:

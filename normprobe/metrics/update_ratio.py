@@ -36,12 +36,13 @@ class UpdateRatio(Family):
         change_slots = {s.path: plan.slot(s.depth, plan.param_reduce) for s in stacks}
         old_slots = {s.path: plan.slot(s.depth, plan.param_reduce) for s in stacks}
         strides = [probes.sample_stride(p.shape, sample_budget(p.numel())) for p in params.params]
+        # the tensors copied whole, a group of each shape at a time
+        by_shape = probes.ByShape(params.params, groupable=[s == 1 for s in strides])
         weights: dict[torch.device, torch.Tensor] = {}
         before: list[torch.Tensor] = []
 
         def keep() -> None:
-            with torch.no_grad():
-                before[:] = probes.strided_samples(params.params, strides)
+            before[:] = by_shape.copies(params.params, strides)
 
         def measure() -> None:
             if not before:
@@ -49,16 +50,11 @@ class UpdateRatio(Family):
             device = before[0].device
             if device not in weights:
                 weights[device] = torch.tensor(strides, dtype=torch.float32, device=device)
-            with torch.no_grad():
-                change, old = probes.update_squares(
-                    params.params,
-                    strides,
-                    before,
-                    weights[device],
-                    params.index(device),
-                    params.count,
-                )
+            change, old = by_shape.change_squares(params.params, strides, before)
             before.clear()
+            index, count = params.index(device), params.count
+            change = probes.group_sums(change * weights[device], index, count)
+            old = probes.group_sums(old * weights[device], index, count)
             for stack, blocks in params.blocks.items():
                 plan.measured.put(change_slots[stack], change[blocks])
                 plan.measured.put(old_slots[stack], old[blocks])

@@ -35,8 +35,8 @@ class WeightRms(Family):
                 sizes = [probes.local(p).numel() * probes.shard_share(p) for p in params.params]
                 numel = torch.tensor(sizes, dtype=torch.float32, device=device)
                 numels[device] = probes.group_sums(numel, index, params.count)
-            with torch.no_grad():
-                sums = probes.group_sums(probes.squared_norms(params.params), index, params.count)
+            per_tensor = params.by_shape.squared_norms(params.params, device)
+            sums = probes.group_sums(per_tensor, index, params.count)
             for stack, blocks in params.blocks.items():
                 plan.measured.put(squares[stack], sums[blocks])
                 plan.measured.put(counts[stack], numels[device][blocks])

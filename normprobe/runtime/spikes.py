@@ -97,8 +97,9 @@ class SpikeDetector:
     ) -> None:
         self.spikes = spikes
         self.params = list(params)
-        # one fused pass in float32 (float64 parameters: not narrowed there)
-        self._fused = len({p.device for p in self.params}) == 1 and all(
+        self._by_shape = probes.ByShape(self.params)
+        # its per-block sums can stand in for grad_norm's: float32 suffices, one device
+        self._shareable = len({p.device for p in self.params}) == 1 and all(
             p.dtype != torch.float64 for p in self.params
         )
         self.blocks = list(blocks)
@@ -151,16 +152,13 @@ class SpikeDetector:
     def watch(self, step: int) -> None:
         """Check step ``step``'s loss and gradients against their history (the gradients are
         complete: before the optimizer step) and send the verdict to the host."""
-        if self._device != self.params[0].device:
-            self._allocate(self.params[0].device)
+        device = self.params[0].device
+        if self._device != device:
+            self._allocate(device)
         x = self._x
         with torch.no_grad():
-            grads = [self._zero if p.grad is None else p.grad for p in self.params]
-            if self._fused:  # as clip_grad_norm_ makes
-                norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
-                squares = norms.mul_(norms)
-            else:
-                squares = probes.squared_norms(grads).float()
+            grads = [p.grad for p in self.params]
+            squares = self._by_shape.squared_norms(grads, device).float()
             torch.mv(self._members.view(self.columns - 1, -1), squares, out=self._sums)
             torch.sqrt(self._sums, out=x[1:])
             if self._loss is None:
@@ -175,8 +173,9 @@ class SpikeDetector:
 
     def block_squares(self) -> torch.Tensor | None:
         """The last watched step's sum of squared gradients of each block (in float32, in the
-        order of the blocks given), or None where they were not summed in one fused pass."""
-        return self._sums[1:] if self._fused and self._device is not None else None
+        order of the blocks given), or None where float32 narrowed float64 gradients or they
+        are on several devices."""
+        return self._sums[1:] if self._shareable and self._device is not None else None
 
     def found(self, wait: bool = False) -> list[SpikeEvent]:
         """The spikes among the checked steps whose verdicts have reached the host (all of
@@ -203,7 +202,6 @@ class SpikeDetector:
         self._read_early += self.found(wait=True)
         self._device = device
         self._cuda = device.type == "cuda"
-        self._zero = torch.zeros((), device=device)
         self._members = self._members.to(device)
         self._sums = torch.empty(columns - 1, device=device)
         on_cpu = device.type == "cpu"
