@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -72,6 +73,7 @@ def format(
     return tag
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a run's tags come back at every step and judgement
 def parse(tag: str) -> Tag | None:
     """The parts of a normprobe tag; None for a tag that is not one."""
     head, _, rest = tag.partition("/")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -13,8 +14,13 @@ from .base import MODEL, Flag, Points, RunTag
 
 def run_tags(tag_names: Sequence[str]) -> list[RunTag]:
     """The normprobe tags among ``tag_names``, each with its stack (or `MODEL`) and module."""
+    return list(_run_tags(tuple(tag_names)))
+
+
+@functools.lru_cache(maxsize=16)  # the TensorBoard sink judges the same tags again and again
+def _run_tags(tag_names: tuple[str, ...]) -> tuple[RunTag, ...]:
     stacks = _stacks(tag_names)
-    return [p for p in (_run_tag(t, stacks) for t in tag_names) if p is not None]
+    return tuple(p for p in (_run_tag(t, stacks) for t in tag_names) if p is not None)
 
 
 def _run_tag(tag: str, stacks: set[str]) -> RunTag | None:
