@@ -344,3 +344,37 @@ def test_a_term_added_to_attention_from_its_own_values_is_no_residual_add() -> N
     model = timm.create_model("efficientformerv2_s0", pretrained=False, num_classes=4, img_size=64)
     m = normprobe.discover(model, torch.randn(2, 3, 64, 64))
     assert not [a.module for a in m.residual_adds if a.module.endswith(".attn")]
+
+
+def test_stacks_without_residual_adds_are_no_residual_whatever_norms_they_hold() -> None:
+    # ShuffleNetV2's stages split the channels and concatenate, GoogLeNet's inception branches
+    # are two convolutions with BatchNorm in a row, and wav2vec2's feature extractor chains
+    # convolutions with LayerNorm: blocks holding norms, no residual add among them
+    import torchvision
+    from transformers import Wav2Vec2Model
+
+    def placements(model: nn.Module, *inputs: torch.Tensor) -> dict[str, tuple[int, str]]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            found = normprobe.discover(model.eval(), *inputs)
+        assert found.norms
+        return {s.path: (s.depth, s.placement) for s in found.stacks}
+
+    image = torch.randn(1, 3, 64, 64)
+    shufflenet = torchvision.models.shufflenet_v2_x0_5(weights=None)
+    assert placements(shufflenet, image) == {
+        "stage2": (4, "no-residual"),
+        "stage3": (8, "no-residual"),
+        "stage4": (4, "no-residual"),
+    }
+    googlenet = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False)
+    found = placements(googlenet, image)
+    assert len(found) == 18 and set(found.values()) == {(2, "no-residual")}
+    assert "inception3a.branch2" in found
+
+    config = wav2vec2_config(layers=2, layerdrop=0.0)
+    config.feat_extract_norm, config.do_stable_layer_norm = "layer", True
+    assert placements(Wav2Vec2Model(config), torch.randn(1, 1000)) == {
+        "feature_extractor.conv_layers": (2, "no-residual"),
+        "encoder.layers": (2, "pre-ln"),
+    }

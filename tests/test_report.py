@@ -23,6 +23,7 @@ import normprobe
 from normprobe import plots, tags
 from normprobe import report as rp
 from normprobe.metrics import SERIES, attn_logits, bn_stats, grad_norm, logits, resid_cos, resid_rms
+from normprobe.metrics.run import run_flags
 from normprobe.models import ResidualStack, TinyTransformer
 
 Batch = Callable[[int], torch.Tensor]
@@ -194,6 +195,19 @@ def test_gradient_skew_flags_follow_the_tutorial(stacks: dict[str, rp.RunReport]
     low = stacks["pre_small_input"]
     assert "bottom-heavy gradients" in kinds(low, "lins")
     assert low.row("lins", "grad_ratio").last <= grad_norm.BOTTOM_LIMIT
+
+
+def test_gradient_skew_of_a_stack_without_residual_adds_is_not_flagged() -> None:
+    # a last / first gradient ratio of 3 at three logged steps: top-heavy on a Post-LN stack,
+    # no finding on a stack whose blocks make no residual add (ShuffleNetV2's stages)
+    ratio = {tags.format("grad_ratio", "stage2"): [(0, 3.0), (1, 3.0), (2, 3.0)]}
+
+    def found(placement: str) -> list[str]:
+        texts = {tags.format("placement", "stage2"): [(0, placement)]}
+        return [f.kind for f in run_flags(ratio, texts)]
+
+    assert found("post-ln") == ["top-heavy gradients"]
+    assert found("no-residual") == []
 
 
 def test_residual_growth_and_collapse_flags(stacks: dict[str, rp.RunReport]) -> None:

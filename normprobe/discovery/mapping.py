@@ -634,7 +634,9 @@ class _Builder:
                 if p is not None:
                     roles.add(by_path[p].role)
         norm_placement: NormPlacement
-        if "post" in roles and "pre" in roles:
+        if not mine and roles <= {"other"}:  # no add, and no norm of another stack's adds
+            norm_placement = "no-residual"
+        elif "post" in roles and "pre" in roles:
             norm_placement = "mixed"
         elif "post" in roles:
             deep = any(a.skip_scale > 1 + 1e-6 for a in mine)

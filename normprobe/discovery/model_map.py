@@ -14,10 +14,18 @@ NormKind = Literal[
 ]
 NormRole = Literal["pre", "post", "sandwich-post", "qk", "final", "branch", "other"]
 NormPlacement = Literal[
-    "pre-ln", "post-ln", "sandwich", "deepnorm", "in-branch", "no-norm", "mixed"
+    "pre-ln", "post-ln", "sandwich", "deepnorm", "in-branch", "no-norm", "mixed", "no-residual"
 ]
 Placement = Literal[
-    "pre-ln", "post-ln", "sandwich", "deepnorm", "in-branch", "no-norm", "mixed", "parallel"
+    "pre-ln",
+    "post-ln",
+    "sandwich",
+    "deepnorm",
+    "in-branch",
+    "no-norm",
+    "mixed",
+    "no-residual",
+    "parallel",
 ]
 AttentionImpl = Literal["sdpa", "eager", "mha"]
 EpsPlacement = Literal["inside-sqrt", "outside-sqrt", "unknown"]
@@ -77,7 +85,8 @@ class Stack:
         placement: how norms sit around the residual adds of these blocks, or ``parallel``
             when each block adds several branches computed side by side into the stream at once
             (``x + attn(ln(x)) + mlp(ln(x))``, GPT-J); ``norm_placement`` then says how the
-            norms sit.
+            norms sit. ``no-residual``: the blocks make no residual add (ShuffleNetV2's stages,
+            GoogLeNet's branches), norms or not.
         qk_norm: whether the blocks normalize queries/keys.
         parent: the enclosing stack's path when stacks are nested.
         norm_placement: how norms sit, for every stack (equal to ``placement`` unless that is

@@ -63,8 +63,11 @@ class GradNorm(Family):
     def flags(self, run: Run) -> list[Flag]:
         found = []
         for stack in sorted({t.stack for t in run.tags if t.parsed.series == "grad_ratio"}):
+            where = placement(run, stack)
+            if where == "no-residual":
+                continue  # the skew of Pre-LN and Post-LN is one of residual streams
             points = run.scalars.get(tags.format("grad_ratio", stack), [])
-            flag = _skew(stack, points, placement(run, stack))
+            flag = _skew(stack, points, where)
             if flag is not None:
                 found.append(flag)
         return found
