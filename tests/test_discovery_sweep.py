@@ -378,3 +378,52 @@ def test_stacks_without_residual_adds_are_no_residual_whatever_norms_they_hold()
         "feature_extractor.conv_layers": (2, "no-residual"),
         "encoder.layers": (2, "pre-ln"),
     }
+
+
+class Odd(nn.Module):
+    """A residual block of another class than its neighbours: ``x + fc(ln(x))``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.ln(x))
+
+
+class Stage(nn.Module):
+    """A block of an outer stack holding a Sequential of inner blocks."""
+
+    def __init__(self, *inner: nn.Module) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.blocks(x)
+
+
+def test_a_run_of_one_class_with_an_odd_last_block_is_one_stack_inside_a_block() -> None:
+    # EdgeNeXt's third stage: five ConvBlocks and a SplitTransposeBlock in one Sequential, in a
+    # stage that is itself a block: one stack of six, not a run of five and a stray block
+    width = 8
+    model = nn.Sequential(*(Stage(Block(width), Block(width), Odd(width)) for _ in range(2)))
+    found = {s.path: s.depth for s in normprobe.discover(model, torch.randn(3, width)).stacks}
+    assert found == {"": 2, "0.blocks": 3, "1.blocks": 3}
+    # one block of each class, none twice in a row, are a block's sublayers (T5's layer list)
+    model = nn.Sequential(*(Stage(Block(width), Odd(width)) for _ in range(2)))
+    found = {s.path: s.depth for s in normprobe.discover(model, torch.randn(3, width)).stacks}
+    assert found == {"": 2}
+
+
+def test_edgenext_third_stage_is_one_stack_of_six_blocks() -> None:
+    import timm
+
+    model = timm.create_model("edgenext_xx_small", pretrained=False, num_classes=10).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = {s.path: s for s in normprobe.discover(model, torch.randn(1, 3, 64, 64)).stacks}
+    stage = found["stages.2.blocks"]
+    assert stage.depth == 6 and stage.blocks[-1] == "stages.2.blocks.5"
+    assert set(stage.block_type.split("/")) == {"ConvBlock", "SplitTransposeBlock"}
+    assert "stages.2.blocks[0..4]" not in found

@@ -3,6 +3,7 @@ several times in a chain."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,9 @@ class FoundStack:
     generic: bool = True  # a ModuleList/Sequential of one class (else it must show adds)
     repeated: bool = False  # one module run len(blocks) times
     mixed: bool = False  # blocks of several classes (a hybrid): each must show adds
+    # a mixed container holding two or more blocks of one class in a row: a stack whose last or
+    # first block differs (EdgeNeXt's stage), not the sublayers of one block (T5's)
+    repeats_a_class: bool = False
 
 
 def _signature(module: nn.Module) -> tuple[object, ...]:
@@ -47,6 +51,12 @@ def structural_stacks(model: nn.Module) -> list[FoundStack]:
     for path, m in model.named_modules():
         kids = [(n, c) for n, c in m.named_children() if any(True for _ in c.parameters())]
         classes = {type(c) for _, c in kids}
+        runs: list[list[tuple[str, nn.Module]]] = []
+        for name, child in kids:
+            if runs and type(runs[-1][-1][1]) is type(child):
+                runs[-1].append((name, child))
+            else:
+                runs.append([(name, child)])
         if (
             isinstance(m, _GENERIC)
             and len(kids) >= 2
@@ -57,13 +67,9 @@ def structural_stacks(model: nn.Module) -> list[FoundStack]:
         ):
             names = "/".join(sorted(c.__name__ for c in classes))
             blocks = [_join(path, n) for n, _ in kids]
-            found.append(FoundStack(path, blocks, names, generic=False, mixed=True))
-        runs: list[list[tuple[str, nn.Module]]] = []
-        for name, child in kids:
-            if runs and type(runs[-1][-1][1]) is type(child):
-                runs[-1].append((name, child))
-            else:
-                runs.append([(name, child)])
+            repeats = any(len(run) >= 2 for run in runs)
+            stack = FoundStack(path, blocks, names, False, mixed=True, repeats_a_class=repeats)
+            found.append(stack)
         # a generic container of one class is a stack by structure; any other run of blocks
         # must show residual adds when traced
         uniform = isinstance(m, _GENERIC) and len({type(c) for c in m.children()}) == 1
@@ -123,15 +129,16 @@ def executed_stacks(
         if cand.mixed and (len(ran) < len(cand.blocks) or not all(has_adds(b) for _, b in ran)):
             continue
         blocks = [b for _, b in ran]
-        found = FoundStack(cand.path, blocks, cand.block_type, cand.generic, mixed=cand.mixed)
-        kept.append((ran[0][0], found))
-    # blocks of several classes inside a block of another stack are its sublayers (T5's
-    # self-attention, cross-attention and feed-forward), not a hybrid stack
+        kept.append((ran[0][0], dataclasses.replace(cand, blocks=blocks)))
+    # blocks of several classes, none twice in a row, inside a block of another stack are its
+    # sublayers (T5's self-attention, cross-attention and feed-forward), not a hybrid stack
     blocks_of = [b for _, s in kept if not s.mixed for b in s.blocks]
     kept = [
         (c, s)
         for c, s in kept
-        if not (s.mixed and any(s.path.startswith(b + ".") for b in blocks_of))
+        if not (
+            s.mixed and not s.repeats_a_class and any(s.path.startswith(b + ".") for b in blocks_of)
+        )
     ]
     # a hybrid stack kept: the runs of one class inside it are parts of it, not stacks
     hybrid = [set(s.blocks) for _, s in kept if s.mixed]
