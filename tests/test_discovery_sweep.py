@@ -4,6 +4,7 @@ keep their place in their stack."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import Counter
 
@@ -427,3 +428,28 @@ def test_edgenext_third_stage_is_one_stack_of_six_blocks() -> None:
     assert stage.depth == 6 and stage.blocks[-1] == "stages.2.blocks.5"
     assert set(stage.block_type.split("/")) == {"ConvBlock", "SplitTransposeBlock"}
     assert "stages.2.blocks[0..4]" not in found
+
+
+def test_dpn_adds_its_branch_to_a_slice_of_the_stream_in_every_block() -> None:
+    # timm's DualPathBlock: the stream is [residual channels | dense channels]; each block adds
+    # its branch, which reads the whole stream, to the residual channels (x[:, :c] + out[:, :c])
+    # and concatenates the rest: one add per block, identity where no projection is made
+    import timm
+
+    model = timm.create_model("dpn48b", pretrained=False, num_classes=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = normprobe.discover(model.eval(), torch.randn(1, 3, 64, 64))
+    (stack,) = found.stacks
+    adds = found.adds_in(stack.path)
+    assert [a.block for a in adds] == list(range(stack.depth)) and stack.depth == 16
+    stage_starts = {b for b, block in enumerate(stack.blocks) if block.endswith("_1")}
+    assert {a.block for a in adds if a.kind == "projection"} == stage_starts
+    assert len(stage_starts) == 4
+
+    sink = normprobe.MemorySink()
+    with normprobe.attach(model.train(), sinks=[sink], metrics=["resid_rms"], spikes=None) as p:
+        model(torch.randn(2, 3, 64, 64)).sum().backward()
+        p.step()
+    profile = sink.records[0].profiles[normprobe.tags.format("resid_rms", stack.path)]
+    assert len(profile) == 16 and all(math.isfinite(v) and v > 0 for v in profile)

@@ -4,7 +4,8 @@ find what each branch writes into the stream.
 An add ``a + b`` of two activations of the same shape is residual when
 
 * ``identity``: the root of one operand (seen through views, dropout and scaling by a constant,
-  the DeepNorm ``alpha * x``) is an ancestor of the other operand, and the other side applies a
+  the DeepNorm ``alpha * x``), or the tensor that root slices (DPN's ``x[:, :c] + out[:, :c]``),
+  is an ancestor of the other operand, and the other side applies a
   weight (a matrix, kernel or table) on the way: this excludes GELU's internal
   ``x + 0.044715 x**3`` and the ``+ x`` of a global response norm, whose branch holds only
   elementwise parameters; or
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 
 from .trace import ADD_OPS, SCALE_OPS, Graph
 
+# Ops taking part of a tensor: a skip read through one still reads the tensor's stream.
+SLICE_OPS = frozenset({"__getitem__", "narrow"})
 # Ops whose output, multiplied into a value, gates it.
 GATE_OPS = frozenset({"sigmoid", "sigmoid_", "softmax", "_softmax", "hardsigmoid", "tanh"})
 
@@ -81,8 +84,8 @@ def find_residual_adds(g: Graph) -> list[FoundAdd]:
             by_out[out] = joined
             continue
         if hit is not None:
-            skip, branch, region, reached = hit
-            kind, scale, stream = "identity", _skip_factor(g, skip, reached), g.alias[skip]
+            skip, branch, region, reached, stream = hit
+            kind, scale = "identity", _skip_factor(g, skip, reached)
         else:
             proj = _projection(g, a, b, cid)
             if proj is None:
@@ -96,13 +99,18 @@ def find_residual_adds(g: Graph) -> list[FoundAdd]:
     return sorted(found, key=lambda f: f.out)
 
 
-def _identity(g: Graph, skip: int, branch: int) -> tuple[int, int, set[int], set[int]] | None:
+def _identity(g: Graph, skip: int, branch: int) -> tuple[int, int, set[int], set[int], int] | None:
+    """``(skip, branch, branch-only nodes, nodes reached, stream)`` when ``branch`` applies a
+    weight to what ``skip`` reads: the skip's root, or the tensor it slices (DPN adds its branch
+    to the first channels of a stream the branch reads whole)."""
     root = g.alias[skip]
+    if g.op[root] in SLICE_OPS and len(g.inputs[root]) == 1:
+        root = g.alias[g.inputs[root][0]]
     region, frontier = g.region(branch, root)
     if root in frontier and any(g.weight[n] for n in region):
         # views of the stream itself (a permute or scale the branch read through) are not branch
         branch_only = {n for n in region if g.alias[n] != root}
-        return skip, branch, branch_only, region | frontier
+        return skip, branch, branch_only, region | frontier, root
     return None
 
 
