@@ -231,7 +231,11 @@ class ByShape:
                 if not present:
                     continue
                 where = torch.tensor([i for i in group if tensors[i] is not None], device=device)
-            out.index_copy_(0, where, _row_squares(torch.stack(present)).to(device, self.dtype))
+            try:
+                squares = _row_squares(torch.stack(present))
+            except RuntimeError:  # a tensor changed shape since (FSDP1 swaps shards and wholes)
+                squares = squared_norms(present)
+            out.index_copy_(0, where, squares.to(device, self.dtype))
         alone = [(i, t) for i in self.alone if (t := tensors[i]) is not None]
         if alone:
             if len(alone) < len(self.alone):

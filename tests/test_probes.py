@@ -95,6 +95,15 @@ def test_by_shape_squared_norms_match_one_by_one() -> None:
     assert got[3].item() == pytest.approx(float(big.square().sum()), rel=1e-5)
 
 
+def test_by_shape_survives_a_tensor_that_changed_shape() -> None:
+    # FSDP1 swaps a parameter between a view of its shard and the whole tensor
+    tensors = [torch.ones(2, 2), torch.ones(2, 2), torch.ones(2, 2)]
+    by_shape = probes.ByShape(tensors)
+    tensors[1] = torch.full((3,), 2.0)
+    got = by_shape.squared_norms(tensors, torch.device("cpu"))
+    assert got.tolist() == pytest.approx([4.0, 12.0, 4.0])
+
+
 def test_by_shape_float64_widens_and_subclasses_stay_alone() -> None:
     class Marked(torch.Tensor):
         pass
