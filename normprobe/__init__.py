@@ -6,6 +6,7 @@ from .diagnose import DiagnoseInputError, Diagnosis, Finding, diagnose
 from .discovery import (
     Attention,
     DiscoveryWarning,
+    Doubt,
     ModelMap,
     NormLayer,
     ResidualAdd,
@@ -63,6 +64,7 @@ __all__ = [
     "DiagnoseInputError",
     "Diagnosis",
     "DiscoveryWarning",
+    "Doubt",
     "DyT",
     "Finding",
     "FixupScalars",

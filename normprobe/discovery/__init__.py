@@ -1,12 +1,13 @@
 """Discovery: what a model contains (norms, stacks, residual adds, attention, output head)."""
 
 from .mapping import DiscoveryWarning, discover, discover_on_carried, discover_on_first_forward
-from .model_map import Anchor, Attention, ModelMap, NormLayer, ResidualAdd, Stack
+from .model_map import Anchor, Attention, Doubt, ModelMap, NormLayer, ResidualAdd, Stack
 
 __all__ = [
     "Anchor",
     "Attention",
     "DiscoveryWarning",
+    "Doubt",
     "ModelMap",
     "NormLayer",
     "ResidualAdd",

@@ -28,6 +28,9 @@ Placement = Literal[
     "parallel",
 ]
 AttentionImpl = Literal["sdpa", "eager", "mha"]
+# What a doubt can make wrong: a re-initialization's depth or targets, a branch scale's
+# placement, a norm conversion, the per-block metrics.
+Action = Literal["reinit", "insert_branch_scale", "convert_norms", "metrics"]
 EpsPlacement = Literal["inside-sqrt", "outside-sqrt", "unknown"]
 
 
@@ -191,6 +194,31 @@ class Attention:
     heads: int = 1
 
 
+@dataclass(frozen=True)
+class Doubt:
+    """Something discovery is not sure of, and which actions it can make wrong.
+
+    Attributes:
+        kind: a short, stable name for the class of doubt (``add-outside-stack``,
+            ``no-stack``, ``unattached-writer``, ``nested-stacks``, ``unknown-norm``, ...).
+        path: the module it concerns (``""`` for the root).
+        reason: one sentence a user can act on.
+        affects: the actions that refuse while this doubt stands (`Action`).
+        paths: every module it concerns, for an action to tell whether it would touch one;
+            ``(path,)`` when left empty.
+    """
+
+    kind: str
+    path: str
+    reason: str
+    affects: tuple[Action, ...]
+    paths: tuple[str, ...] = ()
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return self.paths or (self.path,)
+
+
 @dataclass
 class ModelMap:
     """What `normprobe.discover` found in a model.
@@ -207,6 +235,8 @@ class ModelMap:
         notes: things a reader should know (disagreements, missing sections).
         weight_layers: modules whose parameters the traced forward applied as weights
             (matrices, kernels, tables), in module order; empty unless traced.
+        doubts: where the map may be incomplete in a way that changes what an action does;
+            the actions named in each refuse while it stands.
     """
 
     model_type: str
@@ -219,6 +249,11 @@ class ModelMap:
     trace_ms: float = 0.0
     notes: list[str] = field(default_factory=list)
     weight_layers: tuple[str, ...] = ()
+    doubts: list[Doubt] = field(default_factory=list)
+
+    def doubts_for(self, action: Action) -> list[Doubt]:
+        """The doubts that make ``action`` refuse."""
+        return [d for d in self.doubts if action in d.affects]
 
     def norm(self, path: str) -> NormLayer:
         """The norm at ``path``; KeyError lists the known ones."""
@@ -317,6 +352,10 @@ def render(m: ModelMap) -> str:
         lines += table(("path", "impl", "heads"), rows)
     lines.append(f"Head: {_name(m.head)}")
     lines += [f"Note: {note}" for note in m.notes]
+    lines += [
+        f"Doubt ({d.kind}, {_name(d.path)}): {d.reason} [refuses: {', '.join(d.affects)}]"
+        for d in m.doubts
+    ]
     return "\n".join(lines)
 
 
