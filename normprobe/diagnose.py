@@ -176,6 +176,16 @@ class Diagnosis:
         ok = [c for c, s in self.checks.items() if s == "ok"]
         na = [f"{c} ({s[5:]})" for c, s in self.checks.items() if s.startswith("n/a")]
         lines.append("")
+        if self.model_map.doubts:
+            lines.append("The model's map is unsure (the actions named refuse while it is):")
+            for d in self.model_map.doubts:
+                lines += textwrap.wrap(
+                    f"- {d.kind} at {d.path or '<root>'}: {d.reason} [{', '.join(d.affects)}]",
+                    96,
+                    initial_indent="  ",
+                    subsequent_indent="    ",
+                )
+            lines.append("")
         if ok:
             lines += textwrap.wrap("Passed: " + ", ".join(ok), 100, subsequent_indent="  ")
         if na:

@@ -30,7 +30,9 @@ from .discovery import (
     discover,
     discover_on_carried,
 )
+from .discovery.doubts import DEPTH_DOUBTS, refusal
 from .discovery.mapping import read_only
+from .discovery.model_map import Action
 from .discovery.state import preserved
 
 Scheme = Literal["gpt2", "fixup", "deepnorm", "kaiming", "xavier", "zero_branch"]
@@ -461,6 +463,13 @@ class _Target:
             )
         return m.residual_adds
 
+    def refuse_doubts(self, action: Action, depth: bool, way_out: str) -> None:
+        """Refuse, before any change, while a doubt about ``action`` stands; a doubt about the
+        depth N (`DEPTH_DOUBTS`) stands only when ``depth``: the action counts N itself."""
+        standing = [d for d in self.map.doubts_for(action) if depth or d.kind not in DEPTH_DOUBTS]
+        if standing:
+            raise ValueError(refusal(self.what, standing, way_out))
+
     def module(self, path: str) -> nn.Module:
         return self.model.get_submodule(path)
 
@@ -717,9 +726,25 @@ def reinit(
             f"{sorted(allowed) or 'none'}"
         )
     t = _Target(model, f"reinit(model, {name!r})", example_inputs, example_kwargs, model_map)
-    _SCHEMES[name](t, **{**allowed, **options})
+    chosen = {**allowed, **options}
+    if name in _BRANCH_SCHEMES:
+        depth = name in _DEPTH_SCHEMES and chosen["n_layers"] is None
+        if name == "deepnorm" and chosen["alpha"] is not None and chosen["beta"] is not None:
+            depth = False  # both constants given: N is not used
+        t.refuse_doubts("reinit", depth, _REINIT_WAY_OUT[depth])
+    _SCHEMES[name](t, **chosen)
     t.applied.commit()
     return model
+
+
+# The schemes acting on residual branches, and those of them that scale by the depth N.
+_BRANCH_SCHEMES = frozenset({"gpt2", "fixup", "deepnorm", "zero_branch"})
+_DEPTH_SCHEMES = frozenset({"gpt2", "deepnorm"})
+_REINIT_WAY_OUT = {
+    True: "Pass n_layers= (the number of blocks) if the depth is what is in doubt, or fix the map",
+    False: "Fix the map, or initialize those modules yourself after a scheme that needs no map "
+    "('kaiming', 'xavier')",
+}
 
 
 def _positive(name: str, value: Any) -> float:
@@ -1215,6 +1240,10 @@ def insert_branch_scale(
     t = _Target(
         model, f"insert_branch_scale(model, {kind!r})", example_inputs, example_kwargs, model_map
     )
+    way_out = (
+        "Fix the map" if init != "cait" else "Give init= a number if only the depth is in doubt"
+    )
+    t.refuse_doubts("insert_branch_scale", init == "cait", way_out)
     adds = t.adds()
     ends = _branch_ends(t, adds)
     swaps: dict[str, BranchScale] = {}

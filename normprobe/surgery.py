@@ -20,6 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .common import example_call, is_compiled
 from .discovery import DiscoveryWarning, ModelMap, NormLayer, discover, discover_on_carried
 from .discovery import norms as norm_rules
+from .discovery.doubts import block_glob, refusal
 from .discovery.table import table
 from .layers import BatchNormNd, DyT, LayerNorm2d, PerHeadLayerNorm, PerHeadRMSNorm, RMSNorm2d
 from .runtime import attached_probe
@@ -312,6 +313,7 @@ def convert_norms_with_report(
         )
         return model, report
     chosen = _select(sources, policy, model_map, include, exclude, report)
+    _refuse_doubts(model_map, chosen)
     opts = _Options(eps, num_groups, alpha_init, channels_first)
     plans = _plan_all(model, chosen, opts, report)
     if plans:
@@ -535,6 +537,24 @@ def _select(
             )
         _warn(f"policy key {key!r} selects no norm layer of {model_map.model_type}{hint}")
     return chosen
+
+
+def _refuse_doubts(model_map: ModelMap, chosen: list[tuple[_Source, Target]]) -> None:
+    """Refuse while the map doubts a layer that would be converted."""
+    paths = {p for s, _ in chosen for p in s.paths}
+    standing = [d for d in model_map.doubts_for("convert_norms") if paths & set(d.modules)]
+    if standing:
+        globs = list(
+            dict.fromkeys(block_glob(p) for d in standing for p in d.modules if p in paths)
+        )
+        raise ValueError(
+            refusal(
+                "convert_norms",
+                standing,
+                f"Leave those layers out with exclude={globs[:4]!r}, or with a policy key "
+                "mapping them to None",
+            )
+        )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import norms as norm_rules
 from .attention import find_attention
+from .doubts import doubts, merged
 from .model_map import (
     Anchor,
     Attention,
@@ -242,6 +243,7 @@ class _Builder:
                 p for p, _ in self.model.named_modules() if p in self.weight_layers
             ),
         )
+        model_map.doubts = merged(model_map.doubts, doubts(model_map, self.model))
         self._warn(model_map)
         return model_map
 

@@ -213,6 +213,20 @@ class ProbePlan:
                 stacklevel=5,  # attach's caller (through discover_now and _install)
             )
 
+    def warn_doubts(self) -> None:
+        """Warn (on the writing rank) that per-block metrics may miss blocks where the map
+        doubts its stacks."""
+        doubts = self.model_map.doubts_for("metrics")
+        if doubts and is_writer():
+            named = "; ".join(f"{d.kind} at {d.path or '<root>'}: {d.reason}" for d in doubts[:3])
+            more = f" (and {len(doubts) - 3} more)" if len(doubts) > 3 else ""
+            warnings.warn(
+                f"normprobe: the map of {self.model_map.model_type} is unsure of its blocks, so "
+                f"per-block metrics may miss some: {named}{more}",
+                DiscoveryWarning,
+                stacklevel=5,  # attach's caller (through discover_now and _install)
+            )
+
     def block_tags(self, series: str, stack: str) -> tuple[str, list[tuple[int, str]]]:
         """The profile tag of a per-block series of a stack, and its blocks' scalar tags (at
         most ``max_block_tags``, evenly spread), made once."""

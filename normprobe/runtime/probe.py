@@ -124,6 +124,7 @@ class Probe:
         if self.persistent_hooks or self._logged:  # last: the root's hook ends every read
             self._forwards.armed.arm()
         plan.warn_missing(every_family=set(self.metrics) == set(METRICS))
+        plan.warn_doubts()
 
     # the schedule ------------------------------------------------------------------------------
     def _is_logged(self, step: int) -> bool:
