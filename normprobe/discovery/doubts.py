@@ -8,6 +8,7 @@ where the graph is read; this module only reads the `ModelMap`.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import pairwise
 
 from torch import nn
 
@@ -94,17 +95,17 @@ def _modules(adds: list[ResidualAdd]) -> tuple[str, ...]:
 
 
 def _nested_stacks(m: ModelMap, model: nn.Module) -> list[Doubt]:
-    """Stacks whose blocks are each of another class (attention, feed-forward: the sublayers of
-    one block, as a ``ModuleList([attn, ff])`` per layer) and which repeat: inside a block of
-    another stack, or beside stacks of the same classes in one container. Their depth may be the
-    sublayers' count or the blocks'. A stack of one class inside a block (ConvNeXt's stage holding
-    its blocks), or with a class repeated (EdgeNeXt's stage), is the usual hierarchy. One doubt
-    per enclosing stack or container."""
+    """Stacks of blocks of several classes, none twice in a row (attention, feed-forward: the
+    sublayers of one block, as a ``ModuleList([attn, ff])`` per layer), which repeat: inside a
+    block of another stack, or beside stacks of the same classes in one container. Their depth
+    may be the sublayers' count or the blocks'. A stack of one class inside a block (ConvNeXt's
+    stage holding its blocks), or with a class twice in a row (EdgeNeXt's stage), is the usual
+    hierarchy. One doubt per enclosing stack or container."""
     classes = {s.path: [type(model.get_submodule(b)) for b in s.blocks] for s in m.stacks}
     groups: dict[str, list[Stack]] = {}
     for inner in m.stacks:
         kinds = classes[inner.path]
-        if len(kinds) < 2 or len(set(kinds)) < len(kinds):
+        if len(set(kinds)) < 2 or any(a is b for a, b in pairwise(kinds)):
             continue
         outer = next((s for s in m.stacks if _in_block(inner.path, s)), None)
         parent = inner.path.rpartition(".")[0]
@@ -121,10 +122,9 @@ def _nested_stacks(m: ModelMap, model: nn.Module) -> list[Doubt]:
         Doubt(
             "nested-stacks",
             key,
-            f"{len(inners)} stack(s) in {_name(key)} ({_names(inners)}) hold blocks each of "
-            "another class "
-            f"({inners[0].block_type}), so these may be the sublayers of one block and the depth "
-            f"{inners[0].depth} not the number of blocks; {_SET_DEPTH}",
+            f"{len(inners)} stack(s) in {_name(key)} ({_names(inners)}) hold blocks of several "
+            f"classes ({inners[0].block_type}), so these may be the sublayers of one block and "
+            f"the depth {inners[0].depth} not the number of blocks; {_SET_DEPTH}",
             _DEPTH_AFFECTS,
             (key, *(p for s in inners for p in (s.path, *s.blocks))),
         )
