@@ -520,9 +520,12 @@ class _Target:
         return max((s.depth for s in m.stacks), default=len(m.residual_adds))
 
     def reset_norms(self) -> None:
-        """Norm gains to 1 (Gemma's ``1 + weight``: weight 0) and norm biases to 0."""
+        """Norm gains to 1 (Gemma's ``1 + weight``: weight 0) and norm biases to 0; a norm of
+        unknown kind (a global response norm, whose gain starts at 0, or no norm at all) is left
+        as it is."""
         for n in self.map.norms:
-            _set_norm(self.module(n.path), n, gain=1.0)
+            if n.kind != "unknown":
+                _set_norm(self.module(n.path), n, gain=1.0)
 
     def require_inputs(self, why: str) -> None:
         if not self.has_inputs:
@@ -675,7 +678,7 @@ def reinit(
       writes into the residual stream (each add's ``writer_params``: both projections of a
       parallel block, every expert's down projection) N(0, std/sqrt(2N)), N the blocks of its
       stack, or the runs of a repeated block (or ``n_layers``); biases 0; norm gains 1 and
-      biases 0.
+      biases 0 (a norm of unknown kind is left as it is).
     * ``fixup`` (``mode="fan_out"``): Zhang et al. 2019. L residual branches, m weight layers on
       a branch: its writers (the last layer on each path) 0, the others He-normal times
       L^(-1/(2m-2)); projection shortcuts plain He; the head 0 (unless tied to another
@@ -707,7 +710,10 @@ def reinit(
 
     Raises:
         ValueError: unknown scheme or option, an option out of range, or a scheme that needs
-            residual branches on a model where discovery found none.
+            residual branches on a model where discovery found none, or whose map doubts what
+            the scheme would change (`ModelMap.doubts`: ``gpt2``, ``fixup``, ``deepnorm`` and
+            ``zero_branch`` refuse, before any change, on a doubt affecting ``reinit``; one about
+            the depth N only while they count N themselves, so ``n_layers=`` lifts it).
 
     Example::
 
@@ -1211,7 +1217,9 @@ def insert_branch_scale(
         ``model``. Build the optimizer afterwards: the scales are new parameters.
 
     Raises:
-        ValueError: unknown kind, a bad ``init``, or no residual branches found.
+        ValueError: unknown kind, a bad ``init``, no residual branches found, or a doubt of the
+            map affecting ``insert_branch_scale`` (one about the depth only with
+            ``init="cait"``), before any change.
         RuntimeError: the model already has branch scalers.
 
     Example::

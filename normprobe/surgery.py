@@ -246,7 +246,8 @@ def convert_norms(
         ValueError: an unknown target, a role policy without example inputs, a layer that
             cannot become the target (a gated norm, whose forward takes a second input) or
             whose axis cannot be known without example inputs (named in the message, with the
-            way out), or a ``model_map`` of another model.
+            way out), a layer the map doubts (`ModelMap.doubts`: a norm-named module of
+            unknown kind; leave it out with ``exclude``), or a ``model_map`` of another model.
         TypeError: ``model`` is not an ``nn.Module``, or is wrapped by DDP/FSDP or compiled.
         RuntimeError: a normprobe probe is attached (remove it, convert, attach again).
 

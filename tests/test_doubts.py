@@ -9,13 +9,16 @@ which norm-named module is no norm.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import zoo
+import zoo_hf
 from torch import nn
 
 import normprobe
@@ -163,10 +166,10 @@ def _x() -> torch.Tensor:
     return torch.randn(2, 6, D)
 
 
-def _map(model: nn.Module, x: torch.Tensor) -> ModelMap:
+def _map(model: nn.Module, *args: Any) -> ModelMap:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", normprobe.DiscoveryWarning)
-        return normprobe.discover(model, x)
+        return normprobe.discover(model, *args)
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -306,10 +309,31 @@ def test_convert_norms_refuses_only_when_it_would_convert_the_doubted_norm() -> 
     assert isinstance(other.ln, nn.RMSNorm)
 
 
-def test_reinit_goes_on_past_a_doubt_about_conversion() -> None:
+def test_reinit_goes_on_past_a_doubt_about_conversion_and_leaves_that_module_alone() -> None:
     model = WithGateNorm()
+    with torch.no_grad():
+        model.gate.weight.fill_(-2.0)
     reinit(model, "gpt2", example_inputs=(_x(),))
     assert abs(model.blocks[0].attn.qkv.weight.std().item() / 0.02 - 1) < 0.1
+    assert torch.equal(model.gate.weight, torch.full((D,), -2.0))  # no norm gain reset to 1
+    assert torch.equal(model.ln.weight, torch.ones(D))
+
+
+def test_a_global_response_norm_is_doubted_for_conversion_and_left_as_built_by_reinit() -> None:
+    # transformers' modeling_convnextv2.py: ConvNextV2GRN computes x * (1 + weight * Nx) + bias
+    # with Nx a per-channel L2 norm over positions over its channel mean; weight and bias start
+    # at 0 (the layer starts as the identity). No conversion target computes it.
+    model, args, _, _ = zoo_hf.BUILDERS["convnextv2"]()
+    grns = [p for p, m in model.named_modules() if type(m).__name__ == "ConvNextV2GRN"]
+    m = _map(model, *args)
+    assert [d.path for d in m.doubts if d.kind == "unknown-norm"] == grns
+    before = _state(model)
+    with pytest.raises(ValueError, match=rf"refuses.*unknown-norm at {re.escape(grns[0])}"):
+        normprobe.convert_norms(model, "layernorm", example_inputs=args)
+    assert _unchanged(model, before)
+    reinit(model, "gpt2", example_inputs=args)
+    params = dict(model.named_parameters())
+    assert all(not params[f"{p}.{n}"].any() for p in grns for n in ("weight", "bias"))
 
 
 def test_diagnose_lists_the_doubts() -> None:

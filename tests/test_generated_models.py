@@ -717,9 +717,21 @@ def _expect_reinit(spec: Spec, scheme: str) -> str | None:
         return None
     if not spec.residual:
         return NO_ADDS
+    if scheme in ("gpt2", "deepnorm") and _outside_a_stack(spec):
+        return OUTSIDE_STACK
     if scheme == "deepnorm" and spec.placement != "post":
         return NOT_POST_LN
     return None
+
+
+# A block no stack holds beside blocks a stack holds (one block in a stage, then a shared block
+# run twice): the map doubts its depth N, so the schemes counting N refuse (issue 25).
+OUTSIDE_STACK = "add-outside-stack"
+
+
+def _outside_a_stack(spec: Spec) -> bool:
+    stacks = [stack for _, stack, _ in _block_calls(spec)]
+    return None in stacks and any(s is not None for s in stacks)
 
 
 def _probe(model: nn.Module, x: torch.Tensor, baseline: Any, fault: bool) -> ModelMap:
