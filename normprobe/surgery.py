@@ -604,7 +604,16 @@ def _plan_all(
     for source, target in chosen:
         path = source.paths[0]
         if source.layer is not None and source.layer.kind == "unknown":
-            report.skipped.append((path, "discovery could not tell what it computes"))
+            layer = source.layer
+            refusals.append(
+                (
+                    path,
+                    f"{path or '<root>'} ({layer.class_name}) looks like a norm "
+                    f"({layer.recognized_by}) but discovery could not tell what it computes, "
+                    f"so a {_CLASS_NAMES[target]} may not replace it; exclude it "
+                    f"(exclude={path!r}) or map it to None in a policy",
+                )
+            )
             continue
         try:
             plan = _plan(source, target, opts)
@@ -681,7 +690,13 @@ def _plan(s: _Source, target: Target, opts: _Options) -> _Plan | None:
         )
     if gain_offset == 0.0 and _already(m, target, layout, out_layout, groups):
         return None
-    extra = [n for n, c in m.named_children() if not isinstance(c, nn.Identity)]
+    wrapped = s.layer.wraps if s.layer is not None else None  # the norm it applies a gain to
+    extra = [
+        n
+        for n, c in m.named_children()
+        if not isinstance(c, nn.Identity)
+        and not (wrapped and _inside(wrapped, f"{path}.{n}" if path else n))
+    ]
     if extra:
         raise _Refusal(
             f"{name} also runs {extra} inside its forward (a fused norm and activation); "

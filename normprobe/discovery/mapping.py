@@ -19,6 +19,7 @@ from .attention import find_attention
 from .model_map import (
     Anchor,
     Attention,
+    Doubt,
     EpsPlacement,
     ModelMap,
     NormLayer,
@@ -31,13 +32,24 @@ from .model_map import (
 from .residual import FoundAdd, find_residual_adds
 from .stacks import FoundStack, executed_stacks, skipped_blocks, structural_stacks
 from .state import preserved
-from .trace import MATMUL_OPS, SCALE_OPS, SDPA_OPS, SOFTMAX_OPS, Graph, Key, trace
+from .trace import (
+    ADD_OPS,
+    EXACT_VIEW_OPS,
+    MATMUL_OPS,
+    SCALE_OPS,
+    SDPA_OPS,
+    SOFTMAX_OPS,
+    Graph,
+    Key,
+    trace,
+)
 
 
 class DiscoveryWarning(UserWarning):
     """A model lacks something normprobe looks for (norms, residual adds)."""
 
 
+_SUB_OPS = frozenset({"sub", "__sub__", "__rsub__"})
 _GEMMA_GAIN = re.compile(r"^(Gemma\d*|RecurrentGemma|PaliGemma)RMSNorm$")
 
 
@@ -242,6 +254,7 @@ class _Builder:
                 p for p, _ in self.model.named_modules() if p in self.weight_layers
             ),
         )
+        model_map.doubts += [_unknown_norm(n) for n in norms if n.kind == "unknown"]
         self._warn(model_map)
         return model_map
 
@@ -304,7 +317,85 @@ class _Builder:
                 gain_offset=self._gain_offset(m, behaviour),
                 recognized_by=how,
             )
+        if g is not None:
+            found = self._fold_wrappers(found)
         return found
+
+    def _fold_wrappers(self, found: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """One normalization is one norm: a parameter-free norm whose output its enclosing
+        modules only multiply by and add their own parameters to (``self.ln(x) * self.gamma``)
+        is listed once, as the outermost of them, with their gain and bias."""
+        modules = dict(self.model.named_modules())
+        folded: dict[str, str] = {}  # wrapper -> the norm it wraps
+        for path in found:
+            if path in folded.values() or any(True for _ in modules[path].parameters()):
+                continue
+            outer = path
+            while outer and self._wraps(parent := outer.rpartition(".")[0], path, modules):
+                outer = parent
+            if outer != path:
+                folded[outer] = path
+        if not folded:
+            return found
+        for outer, inner in folded.items():
+            found[outer] = self._wrapper_entry(outer, inner, found[inner], modules[outer])
+        drop = set(folded.values()) | {p for p in found if any(_within(p, o) for o in folded)}
+        drop -= set(folded)
+        return {p: found[p] for p in modules if p in found and p not in drop}
+
+    def _wraps(self, outer: str, norm: str, modules: dict[str, nn.Module]) -> bool:
+        """Whether all ``outer`` computes is the norm at ``norm`` on its input, times and plus
+        parameters of its own: every parameter below it is its own, the norm reads its input
+        (through views and casts) and its output comes from the norm's through elementwise ops
+        that each read those parameters."""
+        g = self.g
+        assert g is not None
+        m = modules[outer]
+        own = {id(p) for p in m.parameters(recurse=False)}
+        if any(id(p) not in own for p in m.parameters()):
+            return False
+        if any(True for p, _ in m.named_buffers() if not _within(f"{outer}.{p}", norm)):
+            return False  # a buffer could scale the output too (only parameters are seen)
+        cid = self.first_call.get(outer)
+        if cid is None:
+            return False
+        call = g.calls[cid]
+        inner = [
+            c for c in g.calls if c.path == norm and call.first_node <= c.first_node < call.end_node
+        ]
+        if len(inner) != 1 or not (call.in_nodes and call.out_nodes and inner[0].out_nodes):
+            return False
+        if not inner[0].in_nodes or g.exact[inner[0].in_nodes[0]] != g.exact[call.in_nodes[0]]:
+            return False
+        names = {f"{outer}.{n}" if outer else n for n, _ in m.named_parameters(recurse=False)}
+        return _affine_chain(g, inner[0].out_nodes[0], call.out_nodes[0], names)
+
+    def _wrapper_entry(
+        self, outer: str, inner: str, norm: dict[str, Any], module: nn.Module
+    ) -> dict[str, Any]:
+        """The norm's entry as the wrapper at ``outer`` presents it."""
+        affine = tuple(n for n, _ in module.named_parameters(recurse=False))
+        eps, eps_attr = norm_rules.eps_of(module)
+        rel = inner[len(outer) + 1 :] if outer else inner
+        if eps is None and norm["eps_attr"] is not None:
+            eps, eps_attr = norm["eps"], f"{rel}.{norm['eps_attr']}"
+        gain_offset = None
+        g = self.g
+        captured = g.calls[self.first_call[outer]].inputs if g is not None else None
+        if affine and captured is not None:
+            gain_offset = norm_rules.gain_offset(module, *captured)
+        return dict(
+            norm,
+            path=outer,
+            class_name=type(module).__name__,
+            affine=affine,
+            eps=eps,
+            eps_attr=eps_attr,
+            gain_offset=gain_offset,
+            recognized_by=f"{norm['recognized_by']} at .{rel}, with its wrapper's "
+            + ("+".join(affine) if affine else "no parameters"),
+            wraps=inner,
+        )
 
     @staticmethod
     def _dims(m: nn.Module, behaviour: norm_rules.Behaviour | None) -> tuple[int, ...]:
@@ -745,6 +836,34 @@ def _plain_path(g: Graph, start: int, end: int) -> bool:
         seen.add(n)
         todo.extend(g.inputs[n])
     return False
+
+
+def _unknown_norm(n: NormLayer) -> Doubt:
+    return Doubt(
+        "unknown-norm",
+        n.path,
+        f"{n.path or '<root>'} ({n.class_name}, {n.recognized_by}) looks like a norm but what it "
+        "computes is unknown: no norm of a known kind can replace it",
+        ("convert_norms",),
+    )
+
+
+def _affine_chain(g: Graph, start: int, end: int, params: set[str]) -> bool:
+    """Whether ``end`` is ``start`` through views and elementwise products and sums, each
+    with one of ``params`` (or a tensor computed from them alone) as its other operand."""
+    n = end
+    while n != start:
+        inputs = g.inputs[n]
+        if len(inputs) != 1 or n < start:
+            return False
+        if g.op[n] not in EXACT_VIEW_OPS:
+            affine = g.op[n] in SCALE_OPS | ADD_OPS | _SUB_OPS
+            if not (affine and g.uses_param[n] and set(g.param_src[n]) & params):
+                return False
+            if set(g.param_src[n]) - params or g.shape[n] != g.shape[inputs[0]]:
+                return False
+        n = inputs[0]
+    return True
 
 
 def _within(path: str, block: str) -> bool:
