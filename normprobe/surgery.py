@@ -697,6 +697,13 @@ def _plan(s: _Source, target: Target, opts: _Options) -> _Plan | None:
         if not isinstance(c, nn.Identity)
         and not (wrapped and _inside(wrapped, f"{path}.{n}" if path else n))
     ]
+    inner = [n for n in extra if norm_rules.name_match(getattr(m, n)) is not None]
+    if inner and not s.traced:
+        raise _Refusal(
+            f"{name} holds the norm {inner[0]!r}; whether it only applies a gain and bias to "
+            "that norm's output shows in one forward pass: pass example_inputs=(x,), or exclude "
+            f"it (exclude={path!r})"
+        )
     if extra:
         raise _Refusal(
             f"{name} also runs {extra} inside its forward (a fused norm and activation); "

@@ -204,6 +204,35 @@ class NormThenGelu(nn.Module):
         return F.gelu(self.ln(x) * self.gamma)
 
 
+class NotAGainAndBias(nn.Module):
+    """A parameter-free LayerNorm inside something other than a gain then a bias."""
+
+    def __init__(self, d: int, how: str) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d, elementwise_affine=False)
+        self.gamma = nn.Parameter(torch.linspace(0.5, 2, d))
+        self.beta = nn.Parameter(torch.linspace(-1, 1, d))
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "bias-then-gain":
+            return (self.ln(x) + self.beta) * self.gamma
+        if self.how == "divided":
+            return self.ln(x) / self.gamma
+        if self.how == "two-gains":
+            return self.ln(x) * self.gamma * self.beta
+        # over the first feature dim: a permute around a channels-last norm
+        return self.ln(x.transpose(-1, -2)).transpose(-1, -2) * self.gamma[: x.shape[-1]]
+
+
+@pytest.mark.parametrize("how", ["bias-then-gain", "divided", "two-gains", "permuted"])
+def test_a_norm_inside_more_than_a_gain_and_bias_is_not_folded(how: str) -> None:
+    x = torch.randn(2, D, D)  # square, so the permuted norm keeps its input's shape
+    m = normprobe.discover(nn.Sequential(NotAGainAndBias(D, how), nn.Linear(D, D)), x)
+    assert "0.ln" in [n.path for n in m.norms]
+    assert all(n.wraps is None for n in m.norms)
+
+
 def test_a_norm_with_a_layer_or_an_activation_around_it_is_not_folded() -> None:
     m = normprobe.discover(Net(ModulatedNorm), X)
     assert [n.path for n in m.norms] == [f"{p}.ln" for p in [*PRE, "norm"]]
@@ -238,6 +267,16 @@ def test_converting_a_wrapped_layernorm_to_rmsnorm_carries_its_gain() -> None:
         and model.blocks[0].norm2.weight.requires_grad
     )
     assert not any(isinstance(m, nn.LayerNorm) for m in model.modules())
+
+
+def test_without_inputs_a_wrapper_is_refused_with_the_way_out() -> None:
+    model = Net(WrappedLayerNorm)
+    with pytest.raises(
+        ValueError,
+        match=r"blocks\.0\.norm1 \(WrappedLayerNorm\) holds the norm 'ln'.*example_inputs",
+    ):
+        normprobe.convert_norms(model, "rmsnorm")
+    assert isinstance(model.blocks[0].norm1.ln, nn.LayerNorm)
 
 
 @pytest.mark.parametrize("norm", [WrappedLayerNorm, WrappedLayerNormBias])

@@ -34,7 +34,6 @@ from .stacks import FoundStack, executed_stacks, skipped_blocks, structural_stac
 from .state import preserved
 from .trace import (
     ADD_OPS,
-    EXACT_VIEW_OPS,
     MATMUL_OPS,
     SCALE_OPS,
     SDPA_OPS,
@@ -49,7 +48,9 @@ class DiscoveryWarning(UserWarning):
     """A model lacks something normprobe looks for (norms, residual adds)."""
 
 
-_SUB_OPS = frozenset({"sub", "__sub__", "__rsub__"})
+_MUL_OPS = frozenset({"mul", "__mul__", "__rmul__", "mul_", "__imul__"})
+# Ops that keep a tensor's values and layout (but maybe not its dtype).
+_CAST_OPS = frozenset({"to", "float", "type", "type_as", "contiguous", "clone", "detach"})
 _GEMMA_GAIN = re.compile(r"^(Gemma\d*|RecurrentGemma|PaliGemma)RMSNorm$")
 
 
@@ -328,7 +329,7 @@ class _Builder:
         modules = dict(self.model.named_modules())
         folded: dict[str, str] = {}  # wrapper -> the norm it wraps
         for path in found:
-            if path in folded.values() or any(True for _ in modules[path].parameters()):
+            if any(True for _ in modules[path].parameters()):
                 continue
             outer = path
             while outer and self._wraps(parent := outer.rpartition(".")[0], path, modules):
@@ -344,10 +345,9 @@ class _Builder:
         return {p: found[p] for p in modules if p in found and p not in drop}
 
     def _wraps(self, outer: str, norm: str, modules: dict[str, nn.Module]) -> bool:
-        """Whether all ``outer`` computes is the norm at ``norm`` on its input, times and plus
-        parameters of its own: every parameter below it is its own, the norm reads its input
-        (through views and casts) and its output comes from the norm's through elementwise ops
-        that each read those parameters."""
+        """Whether all ``outer`` computes is the norm at ``norm`` on its input, times a gain
+        and plus a bias of its own: every parameter below it is its own, the norm reads its
+        input (through casts) and its output comes from the norm's (`_affine_chain`)."""
         g = self.g
         assert g is not None
         m = modules[outer]
@@ -365,9 +365,11 @@ class _Builder:
         ]
         if len(inner) != 1 or not (call.in_nodes and call.out_nodes and inner[0].out_nodes):
             return False
-        if not inner[0].in_nodes or g.exact[inner[0].in_nodes[0]] != g.exact[call.in_nodes[0]]:
+        if not inner[0].in_nodes or not _affine_chain(g, call.in_nodes[0], inner[0].in_nodes[0]):
             return False
-        names = {f"{outer}.{n}" if outer else n for n, _ in m.named_parameters(recurse=False)}
+        names = frozenset(
+            f"{outer}.{n}" if outer else n for n, _ in m.named_parameters(recurse=False)
+        )
         return _affine_chain(g, inner[0].out_nodes[0], call.out_nodes[0], names)
 
     def _wrapper_entry(
@@ -848,22 +850,29 @@ def _unknown_norm(n: NormLayer) -> Doubt:
     )
 
 
-def _affine_chain(g: Graph, start: int, end: int, params: set[str]) -> bool:
-    """Whether ``end`` is ``start`` through views and elementwise products and sums, each
-    with one of ``params`` (or a tensor computed from them alone) as its other operand."""
+def _affine_chain(g: Graph, start: int, end: int, params: frozenset[str] = frozenset()) -> bool:
+    """Whether ``end`` is ``start`` through casts, then at most one product with a gain, then at
+    most one sum with a bias, each one of ``params`` (or a tensor computed from it alone, as
+    ``1 + gain``); never through a permute or reshape (the statistics would run over another
+    axis), a division or a difference."""
     n = end
+    seen: dict[str, tuple[str, ...]] = {}  # "mul" / "add" -> the parameters it reads
     while n != start:
         inputs = g.inputs[n]
         if len(inputs) != 1 or n < start:
             return False
-        if g.op[n] not in EXACT_VIEW_OPS:
-            affine = g.op[n] in SCALE_OPS | ADD_OPS | _SUB_OPS
-            if not (affine and g.uses_param[n] and set(g.param_src[n]) & params):
+        if g.op[n] not in _CAST_OPS:
+            role = "mul" if g.op[n] in _MUL_OPS else "add" if g.op[n] in ADD_OPS else None
+            read = g.param_src[n]
+            if role is None or not g.uses_param[n] or not read or set(read) - params:
                 return False
-            if set(g.param_src[n]) - params or g.shape[n] != g.shape[inputs[0]]:
+            if role in seen or (role == "add" and "mul" in seen):  # one gain, then one bias
                 return False
+            if g.shape[n] != g.shape[inputs[0]]:
+                return False
+            seen[role] = read
         n = inputs[0]
-    return True
+    return all(len(read) == 1 for read in seen.values())
 
 
 def _within(path: str, block: str) -> bool:
