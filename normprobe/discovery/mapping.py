@@ -299,7 +299,8 @@ class _Builder:
                     how += "; behaviour probe disagreed"
                     self.notes.append(
                         f"{path or '<root>'} ({cls}) is named like a norm but its output did "
-                        "not behave like one on the example input; listed as a norm anyway"
+                        "not behave like one on the example input (or it could not be run on "
+                        "variations of it); listed as a norm anyway"
                     )
             else:
                 assert behaviour is not None
