@@ -990,8 +990,11 @@ def _build(plan: _Plan, opts: _Options, fallback: torch.Tensor | None) -> _Built
     affine = plan.gain is not None or plan.bias is not None
     channels = plan.shape[0]
     cf = plan.out_layout == "channels-first"
+    stats = _statistics_module(plan.source)
     old_bn = (
-        old if isinstance(old, _BatchNorm) and target in ("batchnorm", "syncbatchnorm") else None
+        stats
+        if isinstance(stats, _BatchNorm) and target in ("batchnorm", "syncbatchnorm")
+        else None
     )
     new: nn.Module
     if target == "identity":
@@ -1059,7 +1062,7 @@ def _build(plan: _Plan, opts: _Options, fallback: torch.Tensor | None) -> _Built
             plan.notes.append("eps moved inside the square root (it was added to the RMS/std)")
     elif plan.eps_text:
         built.dropped.append("eps")
-    for name, buf in old.named_buffers(recurse=False):
+    for name, buf in stats.named_buffers(recurse=False):
         if old_bn is not None:
             setattr(new, name, buf)  # the same tensors, as convert_sync_batchnorm does
             built.carried.append(name)
@@ -1078,6 +1081,15 @@ def _build(plan: _Plan, opts: _Options, fallback: torch.Tensor | None) -> _Built
         getattr(new, name).requires_grad_(trainable)  # a frozen layer stays frozen
     new.train(old.training)
     return built
+
+
+def _statistics_module(s: _Source) -> nn.Module:
+    """The module computing ``s``'s statistics: the norm it wraps, if any, else itself."""
+    wrapped = s.layer.wraps if s.layer is not None else None
+    if wrapped is None:
+        return s.module
+    path = s.paths[0]
+    return s.module.get_submodule(wrapped[len(path) + 1 :] if path else wrapped)
 
 
 def _place(

@@ -330,6 +330,56 @@ def test_reinit_resets_the_wrappers_gain_and_bias() -> None:
         assert torch.equal(model.blocks[i].mix.k_norm.gamma, torch.zeros(HEADS, 1, DH))
 
 
+class WrappedBatchNorm(nn.Module):
+    """``BatchNorm2d(affine=False)`` times a per-channel gain plus a bias, both (C, 1, 1)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(c, affine=False)
+        self.gamma = nn.Parameter(torch.linspace(0.5, 2, c).view(c, 1, 1))
+        self.beta = nn.Parameter(torch.linspace(-1, 1, c).view(c, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x) * self.gamma + self.beta
+
+
+class ConvBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.norm = WrappedBatchNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.conv(x))
+
+
+def test_a_wrapped_batchnorm_converts_with_its_running_statistics() -> None:
+    model = nn.Sequential(ConvBlock(), ConvBlock())
+    x = torch.randn(2, 4, 5, 5, generator=torch.Generator().manual_seed(3))
+    model(x)  # running statistics away from 0 and 1
+    model.eval()
+    m = normprobe.discover(model, x)
+    assert [(n.path, n.kind, n.layout, n.affine, n.wraps) for n in m.norms] == [
+        (f"{i}.norm", "batchnorm", "batch", ("gamma", "beta"), f"{i}.norm.bn") for i in range(2)
+    ]
+    bn = model[0].norm.bn
+    mean, var, gamma, beta = (
+        bn.running_mean,
+        bn.running_var,
+        model[0].norm.gamma,
+        model[0].norm.beta,
+    )
+    before = model(x)
+    model = normprobe.convert_norms(model, "batchnorm", model_map=m)
+    new = model[0].norm
+    assert isinstance(new, nn.modules.batchnorm._BatchNorm)
+    assert new.running_mean is mean and new.running_var is var and new.momentum == bn.momentum
+    y = model[0].conv(x)
+    hand = (y - mean.view(4, 1, 1)) / torch.sqrt(var.view(4, 1, 1) + 1e-5) * gamma + beta
+    torch.testing.assert_close(new(y), hand)
+    torch.testing.assert_close(model(x), before)
+
+
 def _moonshine() -> MoonshineStreamingEncoder:
     config = MoonshineStreamingEncoderConfig(
         hidden_size=32,
