@@ -211,8 +211,9 @@ def convert_norms(
     Parameter objects where shapes match (so an existing optimizer stays valid), its eps (unless
     ``eps`` is given), training mode and forward/backward hooks (the old handles still remove
     them); a module registered under two names is converted once and stays shared. Gemma's
-    ``x_hat * (1 + weight)`` is folded into ``weight`` in place. Nothing changes if any selected
-    layer cannot be converted.
+    ``x_hat * (1 + weight)`` is folded into ``weight`` in place. A module that only applies its
+    own gain and bias to a parameter-free norm inside it (``self.ln(x) * self.gamma``) is one
+    norm: it is replaced as a whole. Nothing changes if any selected layer cannot be converted.
 
     Args:
         model: the model; always reassign the result (a new object only when ``model`` itself
@@ -243,9 +244,10 @@ def convert_norms(
 
     Raises:
         ValueError: an unknown target, a role policy without example inputs, a layer that
-            cannot become the target (a gated norm, whose forward takes a second input) or
-            whose axis cannot be known without example inputs (named in the message, with the
-            way out), or a ``model_map`` of another model.
+            cannot become the target (a gated norm, whose forward takes a second input), whose
+            axis cannot be known without example inputs, or whose kind discovery could not
+            tell (an ``unknown-norm`` doubt; named in the message, with the way out), or a
+            ``model_map`` of another model.
         TypeError: ``model`` is not an ``nn.Module``, or is wrapped by DDP/FSDP or compiled.
         RuntimeError: a normprobe probe is attached (remove it, convert, attach again).
 
