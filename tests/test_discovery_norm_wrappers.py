@@ -513,6 +513,20 @@ def test_a_module_whose_output_is_zero_on_a_rank_deficient_input_is_no_norm() ->
     assert [n.path for n in m.norms] == ["norm"]
 
 
+class WholeTensorScale(nn.Module):
+    """Divides by the RMS of the whole batch: scale invariant, but no per-channel batch norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.pow(2).mean().sqrt()
+
+
+def test_statistics_over_samples_and_channels_are_no_batchnorm() -> None:
+    model = nn.Sequential(nn.Linear(D, D), WholeTensorScale(), nn.Linear(D, D))
+    m = normprobe.discover(model, X)
+    assert [(n.path, n.kind) for n in m.norms] == [("1", "unknown")]
+    assert [d.kind for d in m.doubts] == ["unknown-norm"]
+
+
 # ---------------------------------------------------------------------------------------------
 # a norm-like module of unknown kind
 

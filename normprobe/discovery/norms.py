@@ -339,8 +339,8 @@ def _classify(
     nd = len(shape)
     if not varying:
         return "", ()
-    if 0 in varying and nd >= 2:
-        return "batch", (shape[1],)
+    if 0 in varying and nd >= 2:  # statistics across samples: per channel, or no known norm
+        return ("batch", (shape[1],)) if 1 not in varying else ("", ())
     if varying == {nd - 1}:
         return "channels-last", (shape[-1],)
     if nd >= 3 and varying == {1}:
