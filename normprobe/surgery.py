@@ -212,8 +212,9 @@ def convert_norms(
     Parameter objects where shapes match (so an existing optimizer stays valid), its eps (unless
     ``eps`` is given), training mode and forward/backward hooks (the old handles still remove
     them); a module registered under two names is converted once and stays shared. Gemma's
-    ``x_hat * (1 + weight)`` is folded into ``weight`` in place. Nothing changes if any selected
-    layer cannot be converted.
+    ``x_hat * (1 + weight)`` is folded into ``weight`` in place. A module that only applies its
+    own gain and bias to a parameter-free norm inside it (``self.ln(x) * self.gamma``) is one
+    norm: it is replaced as a whole. Nothing changes if any selected layer cannot be converted.
 
     Args:
         model: the model; always reassign the result (a new object only when ``model`` itself
@@ -625,7 +626,16 @@ def _plan_all(
     for source, target in chosen:
         path = source.paths[0]
         if source.layer is not None and source.layer.kind == "unknown":
-            report.skipped.append((path, "discovery could not tell what it computes"))
+            layer = source.layer
+            refusals.append(
+                (
+                    path,
+                    f"{path or '<root>'} ({layer.class_name}) looks like a norm "
+                    f"({layer.recognized_by}) but discovery could not tell what it computes, "
+                    f"so a {_CLASS_NAMES[target]} may not replace it; exclude it "
+                    f"(exclude={path!r}) or map it to None in a policy",
+                )
+            )
             continue
         try:
             plan = _plan(source, target, opts)
@@ -702,7 +712,20 @@ def _plan(s: _Source, target: Target, opts: _Options) -> _Plan | None:
         )
     if gain_offset == 0.0 and _already(m, target, layout, out_layout, groups):
         return None
-    extra = [n for n, c in m.named_children() if not isinstance(c, nn.Identity)]
+    wrapped = s.layer.wraps if s.layer is not None else None  # the norm it applies a gain to
+    extra = [
+        n
+        for n, c in m.named_children()
+        if not isinstance(c, nn.Identity)
+        and not (wrapped and _inside(wrapped, f"{path}.{n}" if path else n))
+    ]
+    inner = [n for n in extra if norm_rules.name_match(getattr(m, n)) is not None]
+    if inner and not s.traced:
+        raise _Refusal(
+            f"{name} holds the norm {inner[0]!r}; whether it only applies a gain and bias to "
+            "that norm's output shows in one forward pass: pass example_inputs=(x,), or exclude "
+            f"it (exclude={path!r})"
+        )
     if extra:
         raise _Refusal(
             f"{name} also runs {extra} inside its forward (a fused norm and activation); "
@@ -989,8 +1012,11 @@ def _build(plan: _Plan, opts: _Options, fallback: torch.Tensor | None) -> _Built
     affine = plan.gain is not None or plan.bias is not None
     channels = plan.shape[0]
     cf = plan.out_layout == "channels-first"
+    stats = _statistics_module(plan.source)
     old_bn = (
-        old if isinstance(old, _BatchNorm) and target in ("batchnorm", "syncbatchnorm") else None
+        stats
+        if isinstance(stats, _BatchNorm) and target in ("batchnorm", "syncbatchnorm")
+        else None
     )
     new: nn.Module
     if target == "identity":
@@ -1058,7 +1084,7 @@ def _build(plan: _Plan, opts: _Options, fallback: torch.Tensor | None) -> _Built
             plan.notes.append("eps moved inside the square root (it was added to the RMS/std)")
     elif plan.eps_text:
         built.dropped.append("eps")
-    for name, buf in old.named_buffers(recurse=False):
+    for name, buf in stats.named_buffers(recurse=False):
         if old_bn is not None:
             setattr(new, name, buf)  # the same tensors, as convert_sync_batchnorm does
             built.carried.append(name)
@@ -1077,6 +1103,15 @@ def _build(plan: _Plan, opts: _Options, fallback: torch.Tensor | None) -> _Built
         getattr(new, name).requires_grad_(trainable)  # a frozen layer stays frozen
     new.train(old.training)
     return built
+
+
+def _statistics_module(s: _Source) -> nn.Module:
+    """The module computing ``s``'s statistics: the norm it wraps, if any, else itself."""
+    wrapped = s.layer.wraps if s.layer is not None else None
+    if wrapped is None:
+        return s.module
+    path = s.paths[0]
+    return s.module.get_submodule(wrapped[len(path) + 1 :] if path else wrapped)
 
 
 def _place(

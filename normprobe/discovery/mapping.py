@@ -32,13 +32,25 @@ from .model_map import (
 from .residual import FoundAdd, find_residual_adds
 from .stacks import FoundStack, executed_stacks, skipped_blocks, structural_stacks
 from .state import preserved
-from .trace import MATMUL_OPS, SCALE_OPS, SDPA_OPS, SOFTMAX_OPS, Graph, Key, trace
+from .trace import (
+    ADD_OPS,
+    MATMUL_OPS,
+    SCALE_OPS,
+    SDPA_OPS,
+    SOFTMAX_OPS,
+    Graph,
+    Key,
+    trace,
+)
 
 
 class DiscoveryWarning(UserWarning):
     """A model lacks something normprobe looks for (norms, residual adds)."""
 
 
+_MUL_OPS = frozenset({"mul", "__mul__", "__rmul__", "mul_", "__imul__"})
+# Ops that keep a tensor's values and layout (but maybe not its dtype).
+_CAST_OPS = frozenset({"to", "float", "type", "type_as", "contiguous", "clone", "detach"})
 _GEMMA_GAIN = re.compile(r"^(Gemma\d*|RecurrentGemma|PaliGemma)RMSNorm$")
 
 
@@ -287,7 +299,8 @@ class _Builder:
                     how += "; behaviour probe disagreed"
                     self.notes.append(
                         f"{path or '<root>'} ({cls}) is named like a norm but its output did "
-                        "not behave like one on the example input; listed as a norm anyway"
+                        "not behave like one on the example input (or it could not be run on "
+                        "variations of it); listed as a norm anyway"
                     )
             else:
                 assert behaviour is not None
@@ -306,7 +319,86 @@ class _Builder:
                 gain_offset=self._gain_offset(m, behaviour),
                 recognized_by=how,
             )
+        if g is not None:
+            found = self._fold_wrappers(found)
         return found
+
+    def _fold_wrappers(self, found: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """One normalization is one norm: a parameter-free norm whose output its enclosing
+        modules only multiply by and add their own parameters to (``self.ln(x) * self.gamma``)
+        is listed once, as the outermost of them, with their gain and bias."""
+        modules = dict(self.model.named_modules())
+        folded: dict[str, str] = {}  # wrapper -> the norm it wraps
+        for path in found:
+            if any(True for _ in modules[path].parameters()):
+                continue
+            outer = path
+            while outer and self._wraps(parent := outer.rpartition(".")[0], path, modules):
+                outer = parent
+            if outer != path:
+                folded[outer] = path
+        if not folded:
+            return found
+        for outer, inner in folded.items():
+            found[outer] = self._wrapper_entry(outer, inner, found[inner], modules[outer])
+        drop = set(folded.values()) | {p for p in found if any(_within(p, o) for o in folded)}
+        drop -= set(folded)
+        return {p: found[p] for p in modules if p in found and p not in drop}
+
+    def _wraps(self, outer: str, norm: str, modules: dict[str, nn.Module]) -> bool:
+        """Whether all ``outer`` computes is the norm at ``norm`` on its input, times a gain
+        and plus a bias of its own: every parameter below it is its own, the norm reads its
+        input (through casts) and its output comes from the norm's (`_affine_chain`)."""
+        g = self.g
+        assert g is not None
+        m = modules[outer]
+        own = {id(p) for p in m.parameters(recurse=False)}
+        if any(id(p) not in own for p in m.parameters()):
+            return False
+        if any(True for p, _ in m.named_buffers() if not _within(f"{outer}.{p}", norm)):
+            return False  # a buffer could scale the output too (only parameters are seen)
+        cid = self.first_call.get(outer)
+        if cid is None:
+            return False
+        call = g.calls[cid]
+        inner = [
+            c for c in g.calls if c.path == norm and call.first_node <= c.first_node < call.end_node
+        ]
+        if len(inner) != 1 or not (call.in_nodes and call.out_nodes and inner[0].out_nodes):
+            return False
+        if not inner[0].in_nodes or not _affine_chain(g, call.in_nodes[0], inner[0].in_nodes[0]):
+            return False
+        names = frozenset(
+            f"{outer}.{n}" if outer else n for n, _ in m.named_parameters(recurse=False)
+        )
+        return _affine_chain(g, inner[0].out_nodes[0], call.out_nodes[0], names)
+
+    def _wrapper_entry(
+        self, outer: str, inner: str, norm: dict[str, Any], module: nn.Module
+    ) -> dict[str, Any]:
+        """The norm's entry as the wrapper at ``outer`` presents it."""
+        affine = tuple(n for n, _ in module.named_parameters(recurse=False))
+        eps, eps_attr = norm_rules.eps_of(module)
+        rel = inner[len(outer) + 1 :] if outer else inner
+        if eps is None and norm["eps_attr"] is not None:
+            eps, eps_attr = norm["eps"], f"{rel}.{norm['eps_attr']}"
+        gain_offset = None
+        g = self.g
+        captured = g.calls[self.first_call[outer]].inputs if g is not None else None
+        if affine and captured is not None:
+            gain_offset = norm_rules.gain_offset(module, *captured)
+        return dict(
+            norm,
+            path=outer,
+            class_name=type(module).__name__,
+            affine=affine,
+            eps=eps,
+            eps_attr=eps_attr,
+            gain_offset=gain_offset,
+            recognized_by=f"{norm['recognized_by']} at .{rel}, with its wrapper's "
+            + ("+".join(affine) if affine else "no parameters"),
+            wraps=inner,
+        )
 
     @staticmethod
     def _dims(m: nn.Module, behaviour: norm_rules.Behaviour | None) -> tuple[int, ...]:
@@ -747,6 +839,31 @@ def _plain_path(g: Graph, start: int, end: int) -> bool:
         seen.add(n)
         todo.extend(g.inputs[n])
     return False
+
+
+def _affine_chain(g: Graph, start: int, end: int, params: frozenset[str] = frozenset()) -> bool:
+    """Whether ``end`` is ``start`` through casts, then at most one product with a gain, then at
+    most one sum with a bias, each one of ``params`` (or a tensor computed from it alone, as
+    ``1 + gain``); never through a permute or reshape (the statistics would run over another
+    axis), a division or a difference."""
+    n = end
+    seen: dict[str, tuple[str, ...]] = {}  # "mul" / "add" -> the parameters it reads
+    while n != start:
+        inputs = g.inputs[n]
+        if len(inputs) != 1 or n < start:
+            return False
+        if g.op[n] not in _CAST_OPS:
+            role = "mul" if g.op[n] in _MUL_OPS else "add" if g.op[n] in ADD_OPS else None
+            read = g.param_src[n]
+            if role is None or not g.uses_param[n] or not read or set(read) - params:
+                return False
+            if role in seen or (role == "add" and "mul" in seen):  # one gain, then one bias
+                return False
+            if g.shape[n] != g.shape[inputs[0]]:
+                return False
+            seen[role] = read
+        n = inputs[0]
+    return all(len(read) == 1 for read in seen.values())
 
 
 def _within(path: str, block: str) -> bool:

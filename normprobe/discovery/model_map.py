@@ -59,6 +59,9 @@ class NormLayer:
             None without a gain.
         recognized_by: how normprobe knew it is a norm and what kind.
         stack, block: the stack and block index it belongs to, if any.
+        wraps: the parameter-free norm inside this module that computes its statistics, when
+            this module only applies a gain and bias of its own to that norm's output
+            (``self.ln(x) * self.gamma``); the two are one norm, listed here.
     """
 
     path: str
@@ -75,6 +78,7 @@ class NormLayer:
     recognized_by: str
     stack: str | None = None
     block: int | None = None
+    wraps: str | None = None
 
 
 @dataclass(frozen=True)

@@ -225,10 +225,12 @@ class _Prober:
         self.key, x = found
         self.inputs = (args, kwargs)
         x = x.detach().double()
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        if _constant(x):  # all zeros (a branch zero at init) or one value: it shows nothing
+            x = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device)
         # probe at a size where eps is negligible: every test below is relative to it
         self.size = max(10.0, 100 * math.sqrt(eps)) if eps else 10.0
         self.x = (x * self.size / x.pow(2).mean().sqrt().clamp_min(1e-12)).to(found[1].dtype)
-        gen = torch.Generator(device="cpu").manual_seed(0)
         noise = torch.randn(x.shape, generator=gen, dtype=torch.float64)
         noise -= (noise * x).sum() / x.pow(2).sum().clamp_min(1e-30) * x  # never parallel to x
         self.noise = (self.size * noise / noise.pow(2).mean().sqrt()).to(self.x)
@@ -251,29 +253,59 @@ class _Prober:
             raise ValueError("output shape differs from input")
         return y.double()
 
+    def gain_offset(self) -> float | None:
+        """1.0 when the output stays non-zero with every parameter zero (``1 + weight``), 0.0
+        when it vanishes, None without parameters."""
+        if not self.params:
+            return None
+        zeros = {n: torch.zeros_like(t) for n, t in self.params.items()}
+        return 0.0 if float(self(self.x, zeros).abs().max()) < 1e-6 else 1.0
+
 
 def probe(module: nn.Module, args: Any, kwargs: Any, eps: float | None) -> Behaviour | None:
-    """Measure whether ``module`` behaves like a normalizer on its input, and which one."""
+    """Measure whether ``module`` behaves like a normalizer on its input, and which one.
+
+    A constant captured input (all zeros behind a branch that is zero at initialization) is
+    replaced by a random one, and scale invariance must also hold on the input plus noise: a
+    module that merely adds something to its input (``x + residual``) looks scale invariant on
+    zeros, and one that centers over a dim the input is constant along outputs zeros.
+    """
     try:
         with preserved(module), torch.no_grad():
             p = _Prober(module, args, kwargs, eps)
             for train in (False, True):  # batch statistics only show in train mode
                 module.train(train)
                 y = p(p.x)
-                if _rel(y, p(p.x * 7.3)) < 1e-3 and _rel(y, p(p.x + 0.5 * p.noise)) > 1e-2:
+                if _rel(y, p(p.x * 7.3)) >= 1e-3:
+                    continue
+                noisy = p.x + 0.5 * p.noise
+                y_noisy = p(noisy)
+                if _rel(y, y_noisy) > 1e-2 and _rel(y_noisy, p(noisy * 7.3)) < 1e-3:
                     return _describe(p, y, eps)
             return None
     except Exception:  # the module refuses variations of its input: not something we can probe
         return None
 
 
+def gain_offset(module: nn.Module, args: Any, kwargs: Any) -> float | None:
+    """1.0 when ``module`` still outputs something with every parameter zero (a ``1 + gain``),
+    0.0 when its output vanishes, None when it cannot be called on variations of its input."""
+    try:
+        with preserved(module), torch.no_grad():
+            module.eval()
+            return _Prober(module, args, kwargs, None).gain_offset()
+    except Exception:  # the module refuses variations of its input
+        return None
+
+
+def _constant(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` holds the same value (zero included)."""
+    return float(x.max() - x.min()) <= 1e-6 * float(x.abs().max())
+
+
 def _describe(p: _Prober, y: torch.Tensor, eps: float | None) -> Behaviour:
     centering = _rel(y, p(p.x + 3.0 * p.size)) < 1e-3
     layout, dims, varying = _statistics_layout(p, y)
-    gain_offset = None
-    if p.params:
-        zeros = {n: torch.zeros_like(t) for n, t in p.params.items()}
-        gain_offset = 0.0 if float(p(p.x, zeros).abs().max()) < 1e-6 else 1.0
     kind: NormKind
     if layout == "batch":
         kind = "batchnorm"
@@ -286,7 +318,7 @@ def _describe(p: _Prober, y: torch.Tensor, eps: float | None) -> Behaviour:
     else:
         kind = "unknown"
     placement = _eps_placement(p, eps)
-    return Behaviour(centering, layout, dims, gain_offset, placement, kind, varying)
+    return Behaviour(centering, layout, dims, p.gain_offset(), placement, kind, varying)
 
 
 def _statistics_layout(p: _Prober, y: torch.Tensor) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
@@ -307,8 +339,8 @@ def _classify(
     nd = len(shape)
     if not varying:
         return "", ()
-    if 0 in varying and nd >= 2:
-        return "batch", (shape[1],)
+    if 0 in varying and nd >= 2:  # statistics across samples: per channel, or no known norm
+        return ("batch", (shape[1],)) if 1 not in varying else ("", ())
     if varying == {nd - 1}:
         return "channels-last", (shape[-1],)
     if nd >= 3 and varying == {1}:
