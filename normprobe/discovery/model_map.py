@@ -142,7 +142,11 @@ class ResidualAdd:
         branch_out: the branch's single writer when it has exactly one, else None. Kept for
             one release; read ``writers``.
         branch_layers: the branch's weight layers (Linear/Conv/...), in execution order.
-        skip_scale: factor on the skip operand (DeepNorm's alpha), 1.0 if none.
+        skip_scale: constant factor on the skip operand (DeepNorm's alpha), 1.0 if none.
+        skip_gain: the learned parameter the skip is multiplied by (``x * residual_scale +
+            f(x)``), by qualified name (the first, if several), or None; ``skip_scale`` leaves
+            it out. The skip may also be a weightless transform of the stream (a slice, pool,
+            zero padding: the CIFAR ResNet's "option A" shortcut), still of kind ``identity``.
         pre_norm, post_norm, sandwich_norm: paths of the norms around this add, if any.
         anchor: where the add's output can be read on every step.
         writers: every weight layer that writes into the stream through this add: the last
@@ -157,7 +161,9 @@ class ResidualAdd:
             (a layer scale of shape (C), (C, 1, 1) or (1, 1, C)).
         parallel: the branch sums several ungated sub-branches (a parallel block).
         open_path: some path from the branch's input reaches the add without a weight layer,
-            so no layer's init or scale controls all that the branch writes.
+            so no layer's init or scale controls all that the branch writes. A branch with no
+            weight layer at all (PoolFormer's ``pool(x) - x``) has empty ``writers`` and
+            ``branch_layers`` and ``open_path`` True.
     """
 
     module: str
@@ -169,6 +175,7 @@ class ResidualAdd:
     branch_out: str | None
     branch_layers: tuple[str, ...]
     skip_scale: float = 1.0
+    skip_gain: str | None = None
     pre_norm: str | None = None
     post_norm: str | None = None
     sandwich_norm: str | None = None
