@@ -596,8 +596,12 @@ def _skip_gains(t: _Target, adds: Sequence[ResidualAdd], unit_ok: bool) -> None:
             f"{t.what}: the skip of the residual add {a.module or '<root>'}#{a.ordinal} is "
             f"multiplied by the learned gain {a.skip_gain!r}"
             + (" (not 1 everywhere)" if unit_ok else "")
-            + ", which this scheme does not account for; "
-            + ("set it to 1 first" if unit_ok else "use 'gpt2' or 'fixup' with the gain at 1")
+            + (
+                ", where this scheme assumes an identity skip; set it to 1 first"
+                if unit_ok
+                else ", which the scheme's alpha would have to replace or join; set the skip's "
+                "alpha yourself, or use 'gpt2' or 'fixup' (with the gain at 1)"
+            )
         )
 
 

@@ -620,9 +620,10 @@ class _Builder:
         ]
 
     def _writes_stream(self, node: int, streams: set[int], skips: set[int]) -> bool:
-        """Whether ``node``'s value reaches, through no weight op, an add of a residual stream
-        (a stream value or a skip, its other operand) that makes a stream value. A value that
-        becomes the stream itself (a stem, an embedding) writes nothing into it."""
+        """Whether ``node``'s value reaches, through no weight op, an add making a stream value
+        whose other operand is a stream value, a skip or an input of the module adding. A value
+        that becomes the stream itself (a stem, token plus position embeddings) writes nothing
+        into it."""
         g = self.g
         assert g is not None
         readers = self._readers()
@@ -634,8 +635,13 @@ class _Builder:
                     continue
                 seen.add(c)
                 if g.alias[c] in streams:
+                    call = g.call[c]
+                    entering = (
+                        {g.alias[i] for i in g.calls[call].in_nodes} if call is not None else set()
+                    )
+                    others = [i for i in g.inputs[c] if i != n]
                     if g.op[c] in ADD_OPS and any(
-                        g.alias[i] in streams or i in skips for i in g.inputs[c] if i != n
+                        g.alias[i] in streams | entering or i in skips for i in others
                     ):
                         return True
                     continue
