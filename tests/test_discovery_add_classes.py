@@ -426,6 +426,25 @@ def test_hf_poolformer_pooling_adds_have_pre_norms() -> None:
     assert all(_roles(m)[f"{b}.{n}_norm"] == "pre" for b in blocks for n in ("before", "after"))
 
 
+def test_fnet_fourier_branch_is_a_post_ln_residual_add() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.FNetConfig(
+        hidden_size=32, num_hidden_layers=2, intermediate_size=64, vocab_size=100
+    )
+    m = _discover(transformers.FNetModel(config), torch.randint(0, 100, (2, 12)))
+    layers = [f"encoder.layer.{i}" for i in range(2)]
+    assert [(a.module, a.writers, a.open_path, a.post_norm) for a in m.residual_adds] == [
+        add
+        for x in layers
+        for add in (
+            (f"{x}.fourier.output", (), True, f"{x}.fourier.output.LayerNorm"),
+            (f"{x}.output", (f"{x}.output.dense",), False, f"{x}.output.LayerNorm"),
+        )
+    ]
+    assert [(s.path, s.placement) for s in m.stacks] == [("encoder.layer", "post-ln")]
+
+
 def test_timm_poolformer_s12_has_two_adds_a_block() -> None:
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)

@@ -341,7 +341,9 @@ def render(m: ModelMap) -> str:
         rows = [
             (
                 f"{_name(a.module)}#{a.ordinal}" + (f"@{a.call}" if a.call else ""),
-                a.kind + (f" x{a.skip_scale:.3g}" if a.skip_scale != 1.0 else ""),
+                a.kind
+                + (f" x{a.skip_scale:.3g}" if a.skip_scale != 1.0 else "")
+                + (f" x{a.skip_gain.rpartition('.')[2]}" if a.skip_gain else ""),
                 _name(a.branch_out),
                 str(len(a.branch_layers)),
                 f"{a.anchor.hook} {_name(a.anchor.module)}" if a.anchor else "-",

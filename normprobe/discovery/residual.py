@@ -167,9 +167,15 @@ def _accept_weak(
     A skip read through a learned gain or a weightless transform must read an input of the
     module adding it (made from one without a weight) or be chained to other residual adds; a
     branch without a weight must hold a norm module (PoolFormer's ``pool(norm(x)) - norm(x)``)
-    or its sum must be the stream a further residual add reads (not GELU's ``x + c x**3``,
-    whose sum only feeds the activation).
+    or its sum must be the stream a further residual add reads, itself or normalized (FNet's
+    Post-LN ``norm(x + fft(x).real)``; not GELU's ``x + c x**3``, whose sum only feeds the
+    activation).
     """
+    normed: dict[int, list[int]] = {}  # a norm's input -> its outputs (by alias)
+    for c in norm_calls:
+        call = g.calls[c]
+        if call.in_nodes and call.out_nodes:
+            normed.setdefault(g.alias[call.in_nodes[0]], []).append(g.alias[call.out_nodes[0]])
     accepted: list[FoundAdd] = []
     pending = list(weak)
     while pending:
@@ -178,7 +184,7 @@ def _accept_weak(
         streams = {g.alias[f.stream] for f in done}
         ready = []
         for out, cid, hit in pending:
-            feeds = g.alias[out] in streams
+            feeds = any(s in streams for s in [g.alias[out], *normed.get(g.alias[out], [])])
             skip_ok = (
                 not hit.guarded
                 or feeds
@@ -366,6 +372,8 @@ def _describe(g: Graph, add: FoundAdd, streams: set[int]) -> None:
             layers[owner] = None
     add.layers = tuple(layers)
     add.writes = _Walk(g, add, streams).run()
+    # a branch without a weight is all open path (the walk may stop at complex values: FNet)
+    add.writes.open_path |= not any(g.weight[n] for n in add.region)
 
 
 class _Walk:
