@@ -169,10 +169,11 @@ class Conditioned(Tokens):
         return super().forward(x, self.cond(extra[0]))
 
 
-def test_adaln_zero_gates_made_before_the_first_add_gate_both_adds() -> None:
+@pytest.mark.parametrize("tokens", [4, 1])  # one token: gate and branch of one size
+def test_adaln_zero_gates_made_before_the_first_add_gate_both_adds(tokens: int) -> None:
     torch.manual_seed(0)
     model = Conditioned([AdaLNZeroBlock() for _ in range(2)])
-    m = _discover(model, torch.randn(2, 4, 8), torch.randn(2, 4))
+    m = _discover(model, torch.randn(2, tokens, 8), torch.randn(2, 4))
     got = [(a.module, a.kind, a.writers, a.gates) for a in m.residual_adds]
     assert got == [
         (f"blocks.{i}", "identity", (f"blocks.{i}.{writer}",), (f"blocks.{i}.ada.1",))

@@ -169,7 +169,7 @@ def _accept_weak(
     branch without a weight must hold a norm module (PoolFormer's ``pool(norm(x)) - norm(x)``)
     or its sum must be the stream a further residual add reads, itself or normalized (FNet's
     Post-LN ``norm(x + fft(x).real)``; not GELU's ``x + c x**3``, whose sum only feeds the
-    activation).
+    activation). None may lie on another add's branch (``x + (f(x) + gamma * x)`` is one add).
     """
     normed: dict[int, list[int]] = {}  # a norm's input -> its outputs (by alias)
     for c in norm_calls:
@@ -182,8 +182,11 @@ def _accept_weak(
         done = found + accepted
         sums = {g.alias[f.out] for f in done}
         streams = {g.alias[f.stream] for f in done}
+        inner = {n for f in done for n in (*f.region, *f.branches)}
         ready = []
         for out, cid, hit in pending:
+            if out in inner:
+                continue
             feeds = any(s in streams for s in [g.alias[out], *normed.get(g.alias[out], [])])
             skip_ok = (
                 not hit.guarded
