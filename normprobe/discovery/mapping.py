@@ -604,7 +604,9 @@ class _Builder:
         skips = {a.skip for a in self.adds}
         found: dict[str, None] = {}
         for n, owner in enumerate(g.owner):
-            candidate = g.weight[n] and owner is not None and owner not in attached | found.keys()
+            candidate = (
+                g.weight[n] and owner is not None and owner not in attached and owner not in found
+            )
             if candidate and g.alias[n] not in streams and self._writes_stream(n, streams, skips):
                 found[owner or ""] = None
         return [

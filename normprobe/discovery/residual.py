@@ -13,7 +13,8 @@ An add ``a + b`` of two activations of the same shape is residual when
   CIFAR ResNet's "option A" shortcut); such a skip counts when it reads an input of the module
   adding it, or a stream that other residual adds run along (Mamba's ``y + u * D`` reads a
   value its own module computed). A branch without a weight (PoolFormer's ``pool(x) - x``)
-  counts when it holds a norm module or its sum is the stream another residual add reads; or
+  counts when it holds a norm module or its sum, itself or normalized, is the stream another
+  residual add reads. Neither kind counts on another add's branch; or
 * ``projection``: neither is an ancestor of the other, both descend from a common input of the
   enclosing module call (or a value made from one without a weight op, as a norm makes it),
   and one side applies one weight, in a single child module (ResNet's downsample; views and
@@ -114,7 +115,7 @@ def find_residual_adds(g: Graph, norm_calls: frozenset[int] = frozenset()) -> li
     """
     found: list[FoundAdd] = []
     by_out: dict[int, FoundAdd] = {}
-    weak: list[tuple[int, int, _Hit]] = []  # (sum, call, hit) accepted only in a chain of adds
+    weak: list[tuple[int, int, _Hit]] = []  # (sum, call, hit) that `_accept_weak` decides
     for out, a, b in g.adds:
         if not (g.act[a] and g.act[b]) or g.shape[a] != g.shape[b]:
             continue
@@ -151,6 +152,7 @@ def find_residual_adds(g: Graph, norm_calls: frozenset[int] = frozenset()) -> li
 
 
 def _identity_add(g: Graph, out: int, cid: int, hit: _Hit) -> FoundAdd:
+    """The identity add of sum ``out``, made by call ``cid``, as ``hit`` found it."""
     scale, gains = _skip_path(g, hit.skip, hit.reached)
     add = FoundAdd(
         out, hit.skip, [hit.branch], "identity", cid, hit.region, hit.stream, (), scale, Writes()
