@@ -595,6 +595,28 @@ def _placeable(t: _Target, a: ResidualAdd) -> None:
         )
 
 
+def _skip_gains(t: _Target, adds: Sequence[ResidualAdd], unit_ok: bool) -> None:
+    """Refuse a skip multiplied by a learned gain (``x * gain + f(x)``) that the scheme cannot
+    account for: any such gain (``unit_ok`` False), or one not 1 everywhere, where a scheme
+    assumes an identity skip at initialization."""
+    for a in adds:
+        if a.skip_gain is None:
+            continue
+        if unit_ok and bool((t.model.get_parameter(a.skip_gain) == 1).all()):
+            continue
+        raise ValueError(
+            f"{t.what}: the skip of the residual add {a.module or '<root>'}#{a.ordinal} is "
+            f"multiplied by the learned gain {a.skip_gain!r}"
+            + (" (not 1 everywhere)" if unit_ok else "")
+            + (
+                ", where this scheme assumes an identity skip; set it to 1 first"
+                if unit_ok
+                else ", which the scheme's alpha would have to replace or join; set the skip's "
+                "alpha yourself, or use 'gpt2' or 'fixup' (with the gain at 1)"
+            )
+        )
+
+
 def _branch_ends(t: _Target, adds: Sequence[ResidualAdd]) -> dict[int, list[str]]:
     """For each add (by index), the last module on each path of its branch: each writer, or the
     norm that follows it on the branch (a sandwich norm, ResNet's BatchNorm after conv2)."""
@@ -689,7 +711,8 @@ def reinit(
       layer) and output projections Xavier-normal with gain beta = (8N)^(-1/4), queries and keys
       gain 1, biases 0; the residual's alpha = (2N)^(1/4) is realized as a fixed 1/alpha
       `BranchScale` on each branch, since the LayerNorm after the add is scale-invariant (up to
-      its eps). A skip already scaled by ``s`` gets ``s/alpha``.
+      its eps). A skip already scaled by ``s`` gets ``s/alpha``; one multiplied by a learned
+      gain (a map's ``skip_gain``) is refused (``gpt2`` and ``fixup`` take it when it is 1).
     * ``kaiming`` (``mode="fan_in"``, ``nonlinearity="relu"``, ``a=0.0``,
       ``distribution="normal"``) and ``xavier`` (``gain=None``, ``nonlinearity="linear"``,
       ``distribution="normal"``): every weight layer except embeddings; biases 0; norms reset.
@@ -790,9 +813,10 @@ def _scheme_gpt2(t: _Target, *, std: Any, n_layers: Any) -> None:
     n = _count("n_layers", n_layers)
     # the weights writing into the residual stream get std/sqrt(2N), per the GPT-2 paper
     adds = t.adds()
+    _skip_gains(t, adds, unit_ok=True)
     writers = {q: (n or t.depth(a)) for a in adds for q in a.writer_params}
     for a in adds:
-        if not a.writers or a.open_path:
+        if a.branch_layers and (not a.writers or a.open_path):  # a weightless one has no std
             warnings.warn(
                 f"{t.what}: the branch of the residual add {a.module or '<root>'}#{a.ordinal} "
                 + (
@@ -864,6 +888,7 @@ def _scheme_fixup(t: _Target, *, mode: Any) -> None:
     n_branches = len(adds)
     on_branches: set[str] = set()
     plan: list[tuple[str, bool]] = []  # (layer path, last on its branch)
+    _skip_gains(t, adds, unit_ok=True)
     for a in adds:  # every refusal before any change
         _placeable(t, a)
     with torch.no_grad():
@@ -958,6 +983,7 @@ def _scheme_deepnorm(t: _Target, *, n_layers: Any, alpha: Any, beta: Any) -> Non
     beta_fixed = None if beta is None else _positive("beta", beta)
     adds = t.adds()
     m = t.map
+    _skip_gains(t, adds, unit_ok=False)
     for a in adds:
         if a.post_norm is None:
             placement = m.stack(a.stack).placement if a.stack else "no stack"

@@ -788,15 +788,14 @@ def build_timm_mlp_mixer() -> _Built:
 # - Token mixer: Pooling.forward L331-333 `y = self.pool(x); return y - x` (an AvgPool2d, no
 #   parameter). MetaFormerBlock.forward L417-421 `x = res_scale1(x) + layer_scale1(dp(
 #   token_mixer(norm1(x))))`: the branch holds no weight layer (GroupNorm's affine and the
-#   layer-scale vector are elementwise) -> NOT a residual add. L423-427 `x = res_scale2(x) +
-#   layer_scale2(dp(mlp(norm2(x))))` is one (Mlp(use_conv=True).fc2, a 1x1 Conv2d, then the
+#   layer-scale vector are elementwise) but a norm: a residual add with no writer (issue 25,
+#   class 12; earlier versions of this zoo counted it out). L423-427 `x = res_scale2(x) +
+#   layer_scale2(dp(mlp(norm2(x))))` is one too (Mlp(use_conv=True).fc2, a 1x1 Conv2d, then the
 #   layer scale `layer_scale2.scale`).
-# - Residual adds: 1 per block -> 4, by `stages.S.blocks.N`; the pooling add is not counted, so
-#   the MLP add is ordinal 0. Writer: mlp.fc2.
-# - Roles: norm2 -> pre (4). norm1 feeds only the weightless pooling path, whose sum flows on as
-#   the MLP add's skip: it is the pre norm of no residual branch and lies on none -> other (4)
-#   (see the report: the rules do not say where this norm goes). head.norm after the pooled
-#   features of the last stage -> final (1).
+# - Residual adds: 2 per block -> 8, by `stages.S.blocks.N`: ordinal 0 the pooling add (no
+#   writer), ordinal 1 the MLP add (writer mlp.fc2).
+# - Roles: norm1 and norm2 -> pre (8). head.norm after the pooled features of the last stage ->
+#   final (1).
 # - Stacks: `stages` (2 MetaFormerStage) and `stages.S.blocks` (2 each); the inner stacks'
 #   adds all have a pre norm -> pre-ln.
 # - Attention: none. Head: head.fc (nn.Linear).
@@ -819,23 +818,25 @@ def build_timm_poolformer() -> _Built:
     )
     exp = Expected(
         norms={"groupnorm": 8, "layernorm": 1},
-        roles={"pre": 4, "other": 4, "final": 1},
+        roles={"pre": 8, "final": 1},
         stacks={
             "stages": (2, "pre-ln"),
             "stages.0.blocks": (2, "pre-ln"),
             "stages.1.blocks": (2, "pre-ln"),
         },
-        adds_per_stack={"stages": 0, "stages.0.blocks": 2, "stages.1.blocks": 2},
-        residual_adds=4,
+        adds_per_stack={"stages": 0, "stages.0.blocks": 4, "stages.1.blocks": 4},
+        residual_adds=8,
         branch_out={
-            "stages.0.blocks.0#0": "stages.0.blocks.0.mlp.fc2",
-            "stages.1.blocks.1#0": "stages.1.blocks.1.mlp.fc2",
+            "stages.0.blocks.0#0": None,
+            "stages.0.blocks.0#1": "stages.0.blocks.0.mlp.fc2",
+            "stages.1.blocks.1#1": "stages.1.blocks.1.mlp.fc2",
         },
         attention=0,
         head="head.fc",
         writers={
-            "stages.0.blocks.0#0": ("stages.0.blocks.0.mlp.fc2",),
-            "stages.1.blocks.0#0": ("stages.1.blocks.0.mlp.fc2",),
+            "stages.0.blocks.0#0": (),
+            "stages.0.blocks.0#1": ("stages.0.blocks.0.mlp.fc2",),
+            "stages.1.blocks.0#1": ("stages.1.blocks.0.mlp.fc2",),
         },
     )
     return model, (_image(),), {}, exp

@@ -20,6 +20,7 @@ from .doubts import doubts, merged
 from .model_map import (
     Anchor,
     Attention,
+    Doubt,
     EpsPlacement,
     ModelMap,
     NormLayer,
@@ -208,7 +209,9 @@ class _Builder:
 
     def build(self) -> ModelMap:
         g = self.g
-        adds = find_residual_adds(g) if g is not None else []
+        self.first_call = g.first_calls() if g is not None else {}
+        found_norms = self._norms()
+        adds = find_residual_adds(g, self._norm_calls(found_norms)) if g is not None else []
         self.adds = adds
         if g is not None:
             self.weight_layers = {o for n, o in enumerate(g.owner) if g.weight[n] and o is not None}
@@ -221,8 +224,6 @@ class _Builder:
             b: (s.path, i) for s in stacks if not s.repeated for i, b in enumerate(s.blocks)
         }
         self.repeated = {s.blocks[0]: s.path for s in stacks if s.repeated}
-        self.first_call = g.first_calls() if g is not None else {}
-        found_norms = self._norms()
         attention = find_attention(g) if g is not None else {}
         self.add_where = [self._add_where(a) for a in adds]
         roles, add_norms = self._roles(found_norms, adds)
@@ -255,11 +256,18 @@ class _Builder:
                 p for p, _ in self.model.named_modules() if p in self.weight_layers
             ),
         )
+        if g is not None:
+            model_map.doubts += self._unattached_writers(residual_adds)
         model_map.doubts = merged(model_map.doubts, doubts(model_map, self.model))
         self._warn(model_map)
         return model_map
 
     # norms ---------------------------------------------------------------------------------
+    def _norm_calls(self, found_norms: dict[str, dict[str, Any]]) -> frozenset[int]:
+        g = self.g
+        assert g is not None
+        return frozenset(cid for cid, call in enumerate(g.calls) if call.path in found_norms)
+
     def _norms(self) -> dict[str, dict[str, Any]]:
         g = self.g
         cache: dict[tuple[type, float | None, tuple[int, ...]], norm_rules.Behaviour | None] = {}
@@ -559,15 +567,10 @@ class _Builder:
         it): then the stream continues around the norm."""
         g = self.g
         assert g is not None
-        if self._consumers is None:
-            self._consumers = {}
-            for n, inputs in enumerate(g.inputs):
-                for i in inputs:
-                    self._consumers.setdefault(i, []).append(n)
         call = g.calls[self.first_call[norm]]
         todo, seen = [total], {total}
         while todo:
-            for c in self._consumers.get(todo.pop(), []):
+            for c in self._readers().get(todo.pop(), []):
                 if call.first_node <= c < call.end_node or c in seen:
                     continue
                 if g.alias[c] != g.alias[total]:
@@ -575,6 +578,17 @@ class _Builder:
                 seen.add(c)
                 todo.append(c)
         return False
+
+    def _readers(self) -> dict[int, list[int]]:
+        """Node -> the nodes computed from it."""
+        g = self.g
+        assert g is not None
+        if self._consumers is None:
+            self._consumers = {}
+            for n, inputs in enumerate(g.inputs):
+                for i in inputs:
+                    self._consumers.setdefault(i, []).append(n)
+        return self._consumers
 
     def _around(self, path: str) -> set[tuple[str, int | None]]:
         """The blocks (stack, index) holding ``path``."""
@@ -657,6 +671,7 @@ class _Builder:
             branch_out=writers[0] if len(writers) == 1 else None,
             branch_layers=a.layers,
             skip_scale=a.skip_scale,
+            skip_gain=next((q for n in a.skip_gains for q in _canonical(g, n)), None),
             pre_norm=norms.get("pre_norm"),
             post_norm=norms.get("post_norm"),
             sandwich_norm=norms.get("sandwich_norm"),
@@ -672,6 +687,62 @@ class _Builder:
             parallel=w.parallel,
             open_path=w.open_path,
         )
+
+    def _unattached_writers(self, adds: list[ResidualAdd]) -> list[Doubt]:
+        """A doubt for each weight layer whose output is added into a residual stream, with no
+        weight op between, by no residual add that names it a writer or a gate."""
+        g = self.g
+        assert g is not None
+        attached = {p for a in adds for p in (*a.writers, *a.gates)}
+        streams = {g.alias[n] for a in self.adds for n in (a.stream, a.out)}
+        skips = {a.skip for a in self.adds}
+        found: dict[str, None] = {}
+        for n, owner in enumerate(g.owner):
+            candidate = (
+                g.weight[n] and owner is not None and owner not in attached and owner not in found
+            )
+            if candidate and g.alias[n] not in streams and self._writes_stream(n, streams, skips):
+                found[owner or ""] = None
+        return [
+            Doubt(
+                "unattached-writer",
+                path,
+                f"{path or '<root>'} adds its output into the residual stream, but no residual "
+                "add found names it a writer, so reinit would not scale it as one; "
+                "re-initialize it yourself, or leave reinit to a scheme without residual branches",
+                ("reinit",),
+            )
+            for path in found
+        ]
+
+    def _writes_stream(self, node: int, streams: set[int], skips: set[int]) -> bool:
+        """Whether ``node``'s value reaches, through no weight op, an add making a stream value
+        whose other operand is a stream value, a skip or an input of the module adding. A value
+        that becomes the stream itself (a stem, token plus position embeddings) writes nothing
+        into it."""
+        g = self.g
+        assert g is not None
+        readers = self._readers()
+        todo, seen = [node], {node}
+        while todo:
+            n = todo.pop()
+            for c in readers.get(n, []):
+                if c in seen or g.weight[c]:
+                    continue
+                seen.add(c)
+                if g.alias[c] in streams:
+                    call = g.call[c]
+                    entering = (
+                        {g.alias[i] for i in g.calls[call].in_nodes} if call is not None else set()
+                    )
+                    others = [i for i in g.inputs[c] if i != n]
+                    if g.op[c] in ADD_OPS and any(
+                        g.alias[i] in streams | entering or i in skips for i in others
+                    ):
+                        return True
+                    continue
+                todo.append(c)
+        return False
 
     def _anchor(self, a: FoundAdd) -> Anchor:
         g = self.g

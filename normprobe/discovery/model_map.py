@@ -146,7 +146,11 @@ class ResidualAdd:
         branch_out: the branch's single writer when it has exactly one, else None. Kept for
             one release; read ``writers``.
         branch_layers: the branch's weight layers (Linear/Conv/...), in execution order.
-        skip_scale: factor on the skip operand (DeepNorm's alpha), 1.0 if none.
+        skip_scale: constant factor on the skip operand (DeepNorm's alpha), 1.0 if none.
+        skip_gain: the learned parameter the skip is multiplied by (``x * residual_scale +
+            f(x)``), by qualified name (the first, if several), or None; ``skip_scale`` leaves
+            it out. The skip may also be a weightless transform of the stream (a slice, pool,
+            zero padding: the CIFAR ResNet's "option A" shortcut), still of kind ``identity``.
         pre_norm, post_norm, sandwich_norm: paths of the norms around this add, if any.
         anchor: where the add's output can be read on every step.
         writers: every weight layer that writes into the stream through this add: the last
@@ -161,7 +165,9 @@ class ResidualAdd:
             (a layer scale of shape (C), (C, 1, 1) or (1, 1, C)).
         parallel: the branch sums several ungated sub-branches (a parallel block).
         open_path: some path from the branch's input reaches the add without a weight layer,
-            so no layer's init or scale controls all that the branch writes.
+            so no layer's init or scale controls all that the branch writes. A branch with no
+            weight layer at all (PoolFormer's ``pool(x) - x``) has empty ``writers`` and
+            ``branch_layers`` and ``open_path`` True.
     """
 
     module: str
@@ -173,6 +179,7 @@ class ResidualAdd:
     branch_out: str | None
     branch_layers: tuple[str, ...]
     skip_scale: float = 1.0
+    skip_gain: str | None = None
     pre_norm: str | None = None
     post_norm: str | None = None
     sandwich_norm: str | None = None
@@ -338,7 +345,9 @@ def render(m: ModelMap) -> str:
         rows = [
             (
                 f"{_name(a.module)}#{a.ordinal}" + (f"@{a.call}" if a.call else ""),
-                a.kind + (f" x{a.skip_scale:.3g}" if a.skip_scale != 1.0 else ""),
+                a.kind
+                + (f" x{a.skip_scale:.3g}" if a.skip_scale != 1.0 else "")
+                + (f" x{a.skip_gain.rpartition('.')[2]}" if a.skip_gain else ""),
                 _name(a.branch_out),
                 str(len(a.branch_layers)),
                 f"{a.anchor.hook} {_name(a.anchor.module)}" if a.anchor else "-",

@@ -8,7 +8,13 @@ An add ``a + b`` of two activations of the same shape is residual when
   is an ancestor of the other operand, and the other side applies a
   weight (a matrix, kernel or table) on the way: this excludes GELU's internal
   ``x + 0.044715 x**3`` and the ``+ x`` of a global response norm, whose branch holds only
-  elementwise parameters; or
+  elementwise parameters. The skip may also reach the stream through a learned gain
+  (``x * gain``, a parameter) or a weightless transform (pooling, padding, joining zeros: the
+  CIFAR ResNet's "option A" shortcut); such a skip counts when it reads an input of the module
+  adding it, or a stream that other residual adds run along (Mamba's ``y + u * D`` reads a
+  value its own module computed). A branch without a weight (PoolFormer's ``pool(x) - x``)
+  counts when it holds a norm module or its sum, itself or normalized, is the stream another
+  residual add reads. Neither kind counts on another add's branch; or
 * ``projection``: neither is an ancestor of the other, both descend from a common input of the
   enclosing module call (or a value made from one without a weight op, as a norm makes it),
   and one side applies one weight, in a single child module (ResNet's downsample; views and
@@ -29,6 +35,7 @@ scale) is a gate or a scale, never a writer.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .trace import ADD_OPS, SCALE_OPS, Graph
@@ -37,6 +44,27 @@ from .trace import ADD_OPS, SCALE_OPS, Graph
 SLICE_OPS = frozenset({"__getitem__", "narrow"})
 # Ops whose output, multiplied into a value, gates it.
 GATE_OPS = frozenset({"sigmoid", "sigmoid_", "softmax", "_softmax", "hardsigmoid", "tanh"})
+# Ops making a skip from the stream without a weight: pooling it, padding it, joining zeros to
+# it (the CIFAR ResNet's "option A" shortcut), resizing it.
+SKIP_TRANSFORM_OPS = frozenset(
+    {
+        "pad",
+        "constant_pad_nd",
+        *(
+            f"{kind}_pool{d}d"
+            for kind in ("avg", "max", "adaptive_avg", "adaptive_max")
+            for d in (1, 2, 3)
+        ),
+        "cat",
+        "concat",
+        "concatenate",
+        "interpolate",
+        "pixel_shuffle",
+        "pixel_unshuffle",
+    }
+)
+# Elementwise products: one by a parameter on the skip is a learned skip gain.
+GAIN_OPS = frozenset({"mul", "__mul__", "__rmul__", "mul_", "__imul__"})
 
 
 @dataclass
@@ -64,12 +92,30 @@ class FoundAdd:
     layers: tuple[str, ...]  # weight layers on the branch, in execution order
     skip_scale: float
     writes: Writes
+    skip_gains: list[int] = field(default_factory=list)  # nodes multiplying the skip by a parameter
 
 
-def find_residual_adds(g: Graph) -> list[FoundAdd]:
-    """Every residual add in ``g``, in execution order (by the node of its sum)."""
+@dataclass
+class _Hit:
+    """An operand ``branch`` computed from the stream ``skip`` reads."""
+
+    skip: int
+    branch: int
+    region: set[int]  # nodes computed by the branch only
+    reached: set[int]  # every node the walk from the branch visited, and its frontier
+    stream: int  # the node the branch reads the stream from
+    weighted: bool  # the branch applies a weight
+    guarded: bool  # the skip reads the stream through a learned gain or a weightless transform
+
+
+def find_residual_adds(g: Graph, norm_calls: frozenset[int] = frozenset()) -> list[FoundAdd]:
+    """Every residual add in ``g``, in execution order (by the node of its sum).
+
+    ``norm_calls`` are the calls of norm modules: a weightless branch holding one is a branch.
+    """
     found: list[FoundAdd] = []
     by_out: dict[int, FoundAdd] = {}
+    weak: list[tuple[int, int, _Hit]] = []  # (sum, call, hit) that `_accept_weak` decides
     for out, a, b in g.adds:
         if not (g.act[a] and g.act[b]) or g.shape[a] != g.shape[b]:
             continue
@@ -78,40 +124,141 @@ def find_residual_adds(g: Graph) -> list[FoundAdd]:
         cid = g.call[out]
         if cid is None:
             continue
-        hit = _identity(g, a, b) or _identity(g, b, a)
+        hits = [h for h in (_identity(g, a, b), _identity(g, b, a)) if h is not None]
+        hit = next((h for h in hits if h.weighted and not h.guarded), None)
         joined = None if hit else _join(g, by_out, out, a, b) or _join(g, by_out, out, b, a)
         if joined is not None:
             by_out[out] = joined
             continue
         if hit is not None:
-            skip, branch, region, reached, stream = hit
-            kind, scale = "identity", _skip_factor(g, skip, reached)
+            add = _identity_add(g, out, cid, hit)
         else:
             proj = _projection(g, a, b, cid)
             if proj is None:
+                if hits:
+                    weak.append((out, cid, max(hits, key=lambda h: h.weighted)))
                 continue
             skip, branch, region, stream = proj
-            kind, scale = "projection", 1.0
-        add = FoundAdd(out, skip, [branch], kind, cid, region, stream, (), scale, Writes())
-        _describe(g, add)
+            add = FoundAdd(
+                out, skip, [branch], "projection", cid, region, stream, (), 1.0, Writes()
+            )
         found.append(add)
         by_out[out] = add
-    return sorted(found, key=lambda f: f.out)
+    found = sorted(found + _accept_weak(g, weak, found, norm_calls), key=lambda f: f.out)
+    streams = {g.alias[n] for f in found for n in (f.stream, f.out)}
+    for add in found:
+        _describe(g, add, streams)
+    return found
 
 
-def _identity(g: Graph, skip: int, branch: int) -> tuple[int, int, set[int], set[int], int] | None:
-    """``(skip, branch, branch-only nodes, nodes reached, stream)`` when ``branch`` applies a
-    weight to what ``skip`` reads: the skip's root, or the tensor it slices (DPN adds its branch
-    to the first channels of a stream the branch reads whole)."""
-    root = g.alias[skip]
-    if g.op[root] in SLICE_OPS and len(g.inputs[root]) == 1:
-        root = g.alias[g.inputs[root][0]]
-    region, frontier = g.region(branch, root)
-    if root in frontier and any(g.weight[n] for n in region):
-        # views of the stream itself (a permute or scale the branch read through) are not branch
-        branch_only = {n for n in region if g.alias[n] != root}
-        return skip, branch, branch_only, region | frontier, root
+def _identity_add(g: Graph, out: int, cid: int, hit: _Hit) -> FoundAdd:
+    """The identity add of sum ``out``, made by call ``cid``, as ``hit`` found it."""
+    scale, gains = _skip_path(g, hit.skip, hit.reached)
+    add = FoundAdd(
+        out, hit.skip, [hit.branch], "identity", cid, hit.region, hit.stream, (), scale, Writes()
+    )
+    add.skip_gains = gains
+    return add
+
+
+def _accept_weak(
+    g: Graph, weak: list[tuple[int, int, _Hit]], found: list[FoundAdd], norm_calls: frozenset[int]
+) -> list[FoundAdd]:
+    """The adds of ``weak`` that are plainly residual.
+
+    A skip read through a learned gain or a weightless transform must read an input of the
+    module adding it (made from one without a weight) or be chained to other residual adds; a
+    branch without a weight must hold a norm module (PoolFormer's ``pool(norm(x)) - norm(x)``)
+    or its sum must be the stream a further residual add reads, itself or normalized (FNet's
+    Post-LN ``norm(x + fft(x).real)``; not GELU's ``x + c x**3``, whose sum only feeds the
+    activation). None may lie on another add's branch (``x + (f(x) + gamma * x)`` is one add).
+    """
+    normed: dict[int, list[int]] = {}  # a norm's input -> its outputs (by alias)
+    for c in norm_calls:
+        call = g.calls[c]
+        if call.in_nodes and call.out_nodes:
+            normed.setdefault(g.alias[call.in_nodes[0]], []).append(g.alias[call.out_nodes[0]])
+    accepted: list[FoundAdd] = []
+    pending = list(weak)
+    while pending:
+        done = found + accepted
+        sums = {g.alias[f.out] for f in done}
+        streams = {g.alias[f.stream] for f in done}
+        inner = {n for f in done for n in (*f.region, *f.branches)}
+        ready = []
+        for out, cid, hit in pending:
+            if out in inner:
+                continue
+            feeds = any(s in streams for s in [g.alias[out], *normed.get(g.alias[out], [])])
+            skip_ok = (
+                not hit.guarded
+                or feeds
+                or g.alias[hit.stream] in sums
+                or _reads_input(g, hit.stream, g.calls[cid].first_node - 1)
+            )
+            branch_ok = hit.weighted or feeds or _holds_norm(g, hit.region, cid, norm_calls)
+            if skip_ok and branch_ok:
+                ready.append((out, cid, hit))
+        if not ready:
+            break
+        accepted += [_identity_add(g, out, cid, hit) for out, cid, hit in ready]
+        pending = [p for p in pending if p not in ready]
+    return accepted
+
+
+def _holds_norm(g: Graph, region: set[int], cid: int, norm_calls: frozenset[int]) -> bool:
+    """Whether a norm module's output lies on a branch (``region``) of an add made by call
+    ``cid`` outside any norm module (a global response norm's own ``+ x`` is no residual)."""
+    c: int | None = cid
+    while c is not None:
+        if c in norm_calls:
+            return False
+        c = g.calls[c].parent
+    return any(g.calls[n].out_nodes[:1] and g.calls[n].out_nodes[0] in region for n in norm_calls)
+
+
+def _identity(g: Graph, skip: int, branch: int) -> _Hit | None:
+    """How ``branch`` is computed from what ``skip`` reads: the skip's root, or the tensor it
+    slices (DPN adds its branch to the first channels of a stream the branch reads whole), or
+    the tensor a learned gain or a weightless transform made the skip from."""
+    for root, guarded in _skip_roots(g, skip):
+        if root >= branch:
+            continue
+        region, frontier = g.region(branch, root)
+        if root in frontier:
+            # views of the stream itself (a permute or scale the branch read through) are not branch
+            branch_only = {n for n in region if g.alias[n] != root}
+            weighted = any(g.weight[n] for n in region)
+            return _Hit(skip, branch, branch_only, region | frontier, root, weighted, guarded)
     return None
+
+
+_MAX_SKIP_STEPS = 4
+
+
+def _skip_roots(g: Graph, skip: int) -> Iterator[tuple[int, bool]]:
+    """The tensors a skip may read the stream from, nearest first, and whether a learned gain
+    or a weightless transform lies between (a slice does not count: DPN's skip)."""
+    n, guarded = g.alias[skip], False
+    for _ in range(_MAX_SKIP_STEPS):
+        if g.op[n] in SLICE_OPS and len(g.inputs[n]) == 1:
+            n = g.alias[g.inputs[n][0]]
+        yield n, guarded
+        source = _skip_source(g, n)
+        if source is None:
+            return
+        n, guarded = g.alias[source], True
+
+
+def _skip_source(g: Graph, n: int) -> int | None:
+    """The one activation ``n`` is made from by a learned gain (a product with parameters only)
+    or a weightless transform, if it is."""
+    inputs = g.inputs[n]
+    if len(inputs) != 1 or not g.floating[inputs[0]]:
+        return None
+    gain = g.op[n] in GAIN_OPS and g.uses_param[n] and not g.weight[n]
+    transform = g.op[n] in SKIP_TRANSFORM_OPS and not g.uses_param[n]
+    return inputs[0] if gain or transform else None
 
 
 def _join(
@@ -122,26 +269,36 @@ def _join(
     if add is None or add.kind != "identity":
         return None
     hit = _identity(g, add.skip, other)
-    if hit is None or g.alias[total] in hit[3]:
+    if hit is None or not hit.weighted or hit.guarded or g.alias[total] in hit.reached:
         return None  # no further branch: it reads the sum (the next block's branch does)
     add.out = out
     add.branches.append(other)
-    add.region |= hit[2]
-    _describe(g, add)
+    add.region |= hit.region
     return add
 
 
-def _skip_factor(g: Graph, skip: int, reached: set[int]) -> float:
-    """The constant the skip is multiplied by after the branch read it (DeepNorm's alpha).
+def _skip_path(g: Graph, skip: int, reached: set[int]) -> tuple[float, list[int]]:
+    """The constant the skip is multiplied by after the branch read it (DeepNorm's alpha), and
+    the nodes multiplying it by parameters there (a learned skip gain).
 
     Scaling that happened before the branch read the stream (Gemma's embedding scale) is part
     of the stream, not of the skip.
     """
-    factor, n = 1.0, skip
-    while n not in reached and g.alias_parent[n] != n:
-        factor *= g.factor[n]
-        n = g.alias_parent[n]
-    return factor
+    factor, gains, n = 1.0, [], skip
+    while n not in reached:
+        if g.alias_parent[n] != n:
+            factor *= g.factor[n]
+            n = g.alias_parent[n]
+            continue
+        source = _skip_source(g, n)
+        if source is None and g.op[n] in SLICE_OPS and len(g.inputs[n]) == 1:
+            source = g.inputs[n][0]
+        if source is None:
+            break
+        if g.op[n] in GAIN_OPS:
+            gains.append(n)
+        n = source
+    return factor, gains
 
 
 def _projection(g: Graph, a: int, b: int, cid: int) -> tuple[int, int, set[int], int] | None:
@@ -210,25 +367,36 @@ def _single_child(g: Graph, nodes: set[int], cid: int) -> bool:
     return child is not None
 
 
-def _describe(g: Graph, add: FoundAdd) -> None:
-    """Fill in the add's weight layers (execution order) and what its branches write."""
+def _describe(g: Graph, add: FoundAdd, streams: set[int]) -> None:
+    """Fill in the add's weight layers (execution order) and what its branches write;
+    ``streams`` are the residual streams (roots of skips and sums), where a gate's walk ends."""
     layers: dict[str, None] = {}
     for n in sorted(add.region):
         owner = g.owner[n]
         if g.weight[n] and owner is not None:
             layers[owner] = None
     add.layers = tuple(layers)
-    add.writes = _Walk(g, add).run()
+    add.writes = _Walk(g, add, streams).run()
+    # a branch without a weight is all open path (the walk may stop at complex values: FNet)
+    add.writes.open_path |= not any(g.weight[n] for n in add.region)
 
 
 class _Walk:
-    """Walks a branch backwards from the add; each path ends at its first weight op."""
+    """Walks a branch backwards from the add; each path ends at its first weight op. A gate's
+    path goes on outside the branch (adaLN-Zero computes every gate of a block before its first
+    add) until a weight op or a residual stream."""
 
-    def __init__(self, g: Graph, add: FoundAdd) -> None:
+    def __init__(self, g: Graph, add: FoundAdd, streams: set[int]) -> None:
         self.g = g
         self.add = add
+        self.streams = streams
         self.writes = Writes()
         self.seen: dict[tuple[int, str], set[int]] = {}
+        root = g.alias[add.stream]
+        self.from_stream: set[int] = set()  # branch nodes computed from the stream
+        for n in sorted(add.region):
+            if any(g.alias[i] == root or i in self.from_stream for i in g.inputs[n]):
+                self.from_stream.add(n)
 
     def run(self) -> Writes:
         ungated = [self.visit(b, "value") for b in self.add.branches]
@@ -249,7 +417,8 @@ class _Walk:
         if n not in self.add.region:
             if mode != "gate" and g.alias[n] == g.alias[self.add.stream]:
                 w.open_path = True
-            return set()
+            if mode != "gate" or g.alias[n] in self.streams:
+                return set()
         if g.weight[n]:
             if mode == "gate":
                 w.gates.append(n)
@@ -279,8 +448,13 @@ class _Walk:
         return found
 
     def _gate_side(self, n: int, acts: list[int]) -> int | None:
-        """Of two factors of a product, the one that gates the other, if either does."""
+        """Of two factors of a product, the one that gates the other, if either does: the one
+        not computed from the stream, else the smaller, else a sigmoid's or softmax's output."""
         g = self.g
+        root = g.alias[self.add.stream]
+        from_stream = [i in self.from_stream or g.alias[i] == root for i in acts]
+        if from_stream[0] != from_stream[1]:
+            return acts[1] if from_stream[0] else acts[0]
         size = [math.prod(g.shape[i]) for i in acts]
         if size[0] != size[1]:
             return acts[0] if size[0] < size[1] else acts[1]
