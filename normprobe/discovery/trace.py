@@ -77,7 +77,7 @@ WEIGHT_OPS = frozenset(
 )
 # nn.MultiheadAttention's functional forms: what they write comes through ``out_proj_weight``.
 MHA_OPS = {"multi_head_attention_forward": 11, "_native_multi_head_attention": 7}
-SOFTMAX_OPS = frozenset({"softmax", "_softmax"})
+SOFTMAX_OPS = frozenset({"softmax", "_softmax", "special_softmax"})
 # Ops whose output takes only the shape (and dtype) of their input, none of its values.
 SHAPE_ONLY_OPS = frozenset(
     {
