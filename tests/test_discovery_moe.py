@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -426,3 +427,38 @@ def test_experts_no_token_reached_are_writers_too() -> None:
     for e in range(8):
         w = model.get_parameter(f"encoder.block.1.layer.1.mlp.experts.expert_{e}.wo.weight")
         assert float(w.detach().std()) == pytest.approx(GPT2_STD / math.sqrt(2 * 2), rel=0.08)
+
+
+def test_gpt_oss_attention_logits_are_read_before_the_sink_joins_them(tmp_path: Path) -> None:
+    """GPT-OSS's eager attention (gpt_oss/modeling_gpt_oss.py L239-250): q·kᵀ·scaling, the mask
+    added, a learned sink logit per head joined (L244), the row's max subtracted, a softmax. It
+    is attention, and ``attn_logit_max`` is max |q·kᵀ|·scaling (queries and keys as L297-302
+    form them), neither the sink nor the mask."""
+    from transformers.models.gpt_oss import modeling_gpt_oss as source
+
+    model, m, ids = _discover("gpt_oss")
+    assert [a.impl for a in m.attention] == ["eager", "eager"]
+    want: dict[str, float] = {}
+
+    def grab(path: str) -> Any:
+        def hook(a: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            shape = (*h.shape[:-1], -1, a.head_dim)
+            q = a.q_proj(h).view(shape).transpose(1, 2)
+            k = a.k_proj(h).view(shape).transpose(1, 2)
+            q, k = source.apply_rotary_pos_emb(q, k, *kwargs["position_embeddings"])
+            k = source.repeat_kv(k, a.num_key_value_groups)
+            want[path] = float((q @ k.transpose(2, 3) * a.scaling).abs().max())
+
+        return hook
+
+    for a in m.attention:
+        model.get_submodule(a.path).register_forward_pre_hook(grab(a.path), with_kwargs=True)
+    with normprobe.attach(model, log_dir=str(tmp_path), metrics=["attn_logits"]) as probe:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+        probe.step()
+        assert probe.latest is not None
+        got = {p: probe.latest.scalars[probe.tag("attn_logit_max", p)] for p in want}
+    assert len(got) == 2
+    assert got == pytest.approx(want, rel=1e-5)
