@@ -98,6 +98,8 @@ class Spec:
     container: str = "list"  # list, plain (add_module + children()), seq (Linear first), repeat
     arg2: bool = False  # h = blk(ctx, h); attention reads cat(h, ctx) (class attention)
     hooked: bool = False  # the forward reads each top-level block's output from its own hook
+    # sdpa; eager: q·k through a cast, soft-capping, nan_to_num, clamp and a mask to a softmax
+    logits: str = "sdpa"
 
     @property
     def parallel(self) -> bool:
@@ -147,6 +149,7 @@ class Attention(nn.Module):
         d = spec.width
         self.heads = 2
         self.layout = spec.qk
+        self.logits = spec.logits
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = _linear(spec, d, d)
         hd = d // self.heads
@@ -169,9 +172,23 @@ class Attention(nn.Module):
             q = q[:, :, :t]
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=queries is None)
+        if self.logits == "eager":
+            y = _eager_attention(q, k, v, causal=queries is None)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=queries is None)
         out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, d))
         return out
+
+
+def _eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> torch.Tensor:
+    """Attention whose logits pass elementwise ops between q·k and the softmax."""
+    s = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).to(v.dtype)
+    s = torch.nan_to_num(5 * torch.tanh(s / 5)).clamp(-30, 30)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return F.softmax(s, dim=-1) @ v
 
 
 class Mlp(nn.Module):
@@ -465,11 +482,12 @@ def specs(draw: st.DrawFn) -> Spec:
         dtype=draw(st.sampled_from([torch.float32, torch.float64])),
         mix=mix,
         mlp="conv" if scale == "c11" else draw(st.sampled_from(mlps)),
-        linear=draw(st.sampled_from(["nn", "matmul"])),
+        linear=(linear := draw(st.sampled_from(["nn", "matmul"]))),
         scale=scale,
         container=container,
         arg2=not parallel and container != "seq" and draw(st.integers(0, 3)) == 0,
         hooked=draw(st.integers(0, 3)) == 0,
+        logits="eager" if linear == "matmul" else "sdpa",  # written out with matmuls too
     )
 
 
@@ -637,6 +655,9 @@ def _writer_stds(spec: Spec) -> dict[str, float]:
 
 
 def _check_map(spec: Spec, m: ModelMap) -> None:
+    # attention is found however the logits reach the softmax; no router is attention
+    assert {a.impl for a in m.attention} == ({spec.logits} if "attn" in spec.branches else set())
+    assert all(a.path.rpartition(".")[2] == "attn" for a in m.attention), m.attention
     kind = NORMS[spec.norm][1]
     assert len(m.norms) == spec.expected_norms(), m
     assert all(n.kind == kind for n in m.norms), Counter(n.kind for n in m.norms)

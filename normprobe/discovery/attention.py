@@ -5,30 +5,69 @@ from __future__ import annotations
 from torch import nn
 
 from .model_map import AttentionImpl
-from .trace import ADD_OPS, EXACT_VIEW_OPS, MATMUL_OPS, PASS_OPS, SCALE_OPS, Graph
+from .trace import ADD_OPS, EXACT_VIEW_OPS, MATMUL_OPS, SCALE_OPS, SOFTMAX_OPS, Graph
 
-# Ops between the q·k product and the softmax that add to the logits or overwrite some of them:
-# an additive mask or bias, a filled mask. The logits as the model forms them are read before.
+# Between a q·k product and its softmax, any op that keeps the logits' layout carries them on
+# (`carries_logits`): elementwise ops (nan_to_num, clamp, soft-capping, casts, a mask or bias
+# added or filled in, a scale) and the ops below, which view, slice, broadcast or extend them.
+LOGIT_LAYOUT_OPS = EXACT_VIEW_OPS | frozenset(
+    {
+        "__getitem__",
+        "narrow",
+        "expand",
+        "expand_as",
+        "unflatten",
+        "movedim",
+        "swapaxes",
+        "cat",  # an attention sink's logit joined to them (GPT-OSS)
+        "concat",
+        "concatenate",
+        "pad",
+    }
+)
+# Ops where the logits meet another tensor (a mask, a bias, a sink): what the model formed from
+# q and k is read before. An op with any other tensor of more than one element counts too.
 LOGIT_MASK_OPS = ADD_OPS | frozenset(
-    {"sub", "sub_", "__sub__", "__isub__", "masked_fill", "masked_fill_", "where"}
+    {"sub", "sub_", "__sub__", "__isub__", "masked_fill", "masked_fill_", "where", "cat"}
+    | {"concat", "concatenate", "pad"}
 )
 LOGIT_SCALE_OPS = SCALE_OPS | frozenset({"div_", "__itruediv__"})
-# Ops that carry the logits on unchanged in kind: views, casts, dropout, tanh soft-capping.
-LOGIT_PASS_OPS = (
-    EXACT_VIEW_OPS | PASS_OPS | frozenset({"tanh", "tanh_", "__getitem__", "expand", "expand_as"})
-)
-LOGIT_OPS = LOGIT_MASK_OPS | LOGIT_SCALE_OPS | LOGIT_PASS_OPS
+
+
+def carries_logits(
+    op: str, out: tuple[int, ...], inputs: list[tuple[int, ...]], broadcast: bool = False
+) -> bool:
+    """Whether an op (no weight op, softmax or product) of output shape ``out``, reading the
+    logits among activations of shapes ``inputs``, carries them on toward a softmax: a view,
+    slice or extension of them (`LOGIT_LAYOUT_OPS`), or an elementwise op, whose output has
+    the shape of one input (of every input broadcast up, with ``broadcast``) and to which every
+    input broadcasts. Constants, buffers and parameters it reads may broadcast too."""
+    if op in LOGIT_LAYOUT_OPS:
+        return True
+    if out not in inputs and not broadcast:
+        return False
+    return all(_broadcasts(shape, out) for shape in inputs)
+
+
+def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``to`` unchanged in ``to``'s shape."""
+    if len(shape) > len(to):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(to), strict=False))
 
 
 def find_attention(g: Graph) -> dict[str, tuple[AttentionImpl, int]]:
     """Attention modules by path, in execution order, with how each computes its logits and
     its number of query heads.
 
-    ``eager``: a softmax reads, through `LOGIT_OPS` only, the product of a matmul of two
-    activations (q·k); the module is the innermost call holding both, so a softmax run by an
-    ``nn.Softmax`` child counts for its parent. A router's softmax over a linear layer's output
-    does not count. ``sdpa``: the module calls ``scaled_dot_product_attention``. ``mha``: an
-    ``nn.MultiheadAttention``, whose ops torch dispatches as one.
+    ``eager``: a softmax (however called) reads the product of a matmul of two activations
+    (q·k) through ops that carry logits (`carries_logits`: elementwise ops, views, slices); the
+    module is the innermost call holding both, so a softmax run by an ``nn.Softmax`` child
+    counts for its parent. A router's softmax over a linear layer's output (or over ``x @ w``,
+    ``w`` a parameter) does not count, nor a ``log_softmax`` (the log-probabilities of a loss
+    or a sampler, not weights for values). ``sdpa``: the module calls
+    ``scaled_dot_product_attention``. ``mha``: an ``nn.MultiheadAttention``, whose ops torch
+    dispatches as one.
     """
     events: list[tuple[int, int, AttentionImpl, tuple[int, ...]]] = [
         (g.calls[c].first_node, c, "sdpa", query)
@@ -84,7 +123,8 @@ def _declared_heads(module: nn.Module) -> int | None:
 
 
 def _logits_product(g: Graph, softmax: int) -> int | None:
-    """The matmul of two activations whose product ``softmax`` reads through `LOGIT_OPS`."""
+    """The matmul of two activations whose product ``softmax`` reads through ops that carry
+    logits (`carries_logits`); a weight op (a router's Linear) or another softmax ends a path."""
     todo, seen = list(g.inputs[softmax]), set()
     while todo:
         n = todo.pop()
@@ -93,6 +133,9 @@ def _logits_product(g: Graph, softmax: int) -> int | None:
         seen.add(n)
         if g.op[n] in MATMUL_OPS and len(g.inputs[n]) >= 2:
             return n
-        if g.op[n] in LOGIT_OPS:
-            todo.extend(g.inputs[n])
+        if g.weight[n] or g.op[n] in SOFTMAX_OPS:
+            continue
+        acts = [i for i in g.inputs[n] if g.floating[i]]
+        if acts and carries_logits(g.op[n], g.shape[n], [g.shape[i] for i in acts]):
+            todo.extend(acts)
     return None

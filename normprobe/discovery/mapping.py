@@ -651,6 +651,8 @@ class _Builder:
         call = g.calls[a.call]
         w = a.writes
         writers = tuple(dict.fromkeys(o for n in w.writers if (o := g.owner[n]) is not None))
+        params = tuple(dict.fromkeys(q for n in w.writers for q in g.weight[n]))
+        writers, params = self._with_unrouted(call.path, writers, params)
         norm_paths = {n.path for n in norm_layers}
         # a norm's own gain is no layer scale, under any of the norm's names
         scales = tuple(
@@ -677,7 +679,7 @@ class _Builder:
             sandwich_norm=norms.get("sandwich_norm"),
             anchor=self._anchor(a),
             writers=writers,
-            writer_params=tuple(dict.fromkeys(q for n in w.writers for q in g.weight[n])),
+            writer_params=params,
             gates=tuple(
                 dict.fromkeys(
                     o for n in w.gates if (o := g.owner[n]) is not None and o not in writers
@@ -743,6 +745,40 @@ class _Builder:
                     continue
                 todo.append(c)
         return False
+
+    def _with_unrouted(
+        self, module: str, writers: tuple[str, ...], params: tuple[str, ...]
+    ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Writers (and their parameters) with the experts the traced forward routed no token
+        to: a writer in one member of a ModuleList or ModuleDict (the innermost holding it)
+        inside the add's ``module`` stands for the same layer in each member of its class
+        that never ran."""
+        names = dict(self.model.named_modules())
+        more: dict[str, None] = {}
+        for w in writers:
+            container, member, rest = next(
+                (split for split in _member_paths(w) if _is_list(names.get(split[0]))),
+                ("", "", ""),
+            )
+            if not container or not _within(container, module):
+                continue
+            kind = type(names[f"{container}.{member}"])
+            for key, sibling in names[container].named_children():
+                path = f"{container}.{key}"
+                if type(sibling) is kind and path not in self.first_call:
+                    more[f"{path}{rest}"] = None
+        extra = tuple(p for p in more if p in names and p not in writers)
+        if not extra:
+            return writers, params
+        self.notes.append(
+            f"{len(extra)} layers of experts that no token reached in the traced forward "
+            f"counted as writers like the ones that ran ({extra[0]}, ...)"
+        )
+        held = {p: tuple(n for n, _ in names[p].named_parameters()) for p in extra}
+        own = [q for q in params if any(q.startswith(f"{w}.") for w in writers)]
+        suffixes = dict.fromkeys(q.rpartition(".")[2] for q in own)
+        extra_params = tuple(f"{p}.{a}" for p in extra for a in suffixes if a in held[p])
+        return writers + extra, params + extra_params
 
     def _anchor(self, a: FoundAdd) -> Anchor:
         g = self.g
@@ -935,6 +971,18 @@ def _affine_chain(g: Graph, start: int, end: int, params: frozenset[str] = froze
             seen[role] = read
         n = inputs[0]
     return all(len(read) == 1 for read in seen.values())
+
+
+def _member_paths(path: str) -> Iterator[tuple[str, str, str]]:
+    """(container, member, rest) for each split of ``path`` at a dot, innermost first:
+    ``a.experts.3.w2`` gives ``("a.experts", "3", ".w2")``, then ``("a", "experts", ".3.w2")``."""
+    parts = path.split(".")
+    for i in range(len(parts) - 2, 0, -1):
+        yield ".".join(parts[:i]), parts[i], "".join(f".{p}" for p in parts[i + 1 :])
+
+
+def _is_list(m: nn.Module | None) -> bool:
+    return isinstance(m, nn.ModuleList | nn.ModuleDict)
 
 
 def _within(path: str, block: str) -> bool:

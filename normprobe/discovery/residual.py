@@ -29,7 +29,8 @@ buffers, parameters or other inputs, never qualify.
 
 What a branch writes follows its dataflow backwards from the add: the last weight op on each
 path is a writer; a factor multiplied into a path (a sigmoid gate, a router's weights, a layer
-scale) is a gate or a scale, never a writer.
+scale), or into the input of the module applying a writer (a router's weights scaling its
+experts' input), is a gate or a scale, never a writer.
 """
 
 from __future__ import annotations
@@ -241,8 +242,8 @@ def _skip_roots(g: Graph, skip: int) -> Iterator[tuple[int, bool]]:
     or a weightless transform lies between (a slice does not count: DPN's skip)."""
     n, guarded = g.alias[skip], False
     for _ in range(_MAX_SKIP_STEPS):
-        if g.op[n] in SLICE_OPS and len(g.inputs[n]) == 1:
-            n = g.alias[g.inputs[n][0]]
+        if g.op[n] in SLICE_OPS and len(g.inputs[n]) == 1 and g.floating[g.inputs[n][0]]:
+            n = g.alias[g.inputs[n][0]]  # a slice of a stream, not rows picked by an index
         yield n, guarded
         source = _skip_source(g, n)
         if source is None:
@@ -424,7 +425,7 @@ class _Walk:
                 w.gates.append(n)
                 return set()
             w.writers.append(n)
-            result = {n} if mode == "value" else set()
+            result = {n} if mode == "value" and not self._routed_input(n) else set()
             self.seen[key] = result
             return result
         acts = [i for i in g.inputs[n] if g.act[i] and g.floating[i]]  # not index tensors
@@ -446,6 +447,26 @@ class _Walk:
                 found |= self.visit(i, mode)
         self.seen[key] = found
         return found
+
+    def _routed_input(self, writer: int) -> bool:
+        """Whether the module applying ``writer`` was called on an input scaled per row by a
+        factor a weight op computed (Llama 4 scales its experts' input by the router's scores):
+        that factor gates the writer as one on its output would."""
+        g = self.g
+        cid = g.call[writer]
+        for i in g.calls[cid].in_nodes if cid is not None else []:
+            n = g.alias[i]
+            acts = [j for j in g.inputs[n] if g.act[j] and g.floating[j]]
+            if n not in self.add.region or g.op[n] not in SCALE_OPS or len(acts) != 2:
+                continue
+            gate = self._gate_side(n, acts)
+            if gate is None or math.prod(g.shape[acts[0]]) == math.prod(g.shape[acts[1]]):
+                continue  # equal sizes: a gated linear unit's halves, not a router's weights
+            before = len(self.writes.gates)
+            self.visit(gate, "gate")
+            if len(self.writes.gates) > before:
+                return True
+        return False
 
     def _gate_side(self, n: int, acts: list[int]) -> int | None:
         """Of two factors of a product, the one that gates the other, if either does: the one

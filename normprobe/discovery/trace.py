@@ -73,11 +73,15 @@ WEIGHT_OPS = frozenset(
         "tensordot",
         "embedding",
         "embedding_bag",
+        # a stack of expert matrices applied to groups of rows (transformers' grouped_mm experts)
+        "grouped_mm",
+        "_grouped_mm",
+        "grouped_mm_fallback",
     }
 )
 # nn.MultiheadAttention's functional forms: what they write comes through ``out_proj_weight``.
 MHA_OPS = {"multi_head_attention_forward": 11, "_native_multi_head_attention": 7}
-SOFTMAX_OPS = frozenset({"softmax", "_softmax"})
+SOFTMAX_OPS = frozenset({"softmax", "_softmax", "special_softmax"})
 # Ops whose output takes only the shape (and dtype) of their input, none of its values.
 SHAPE_ONLY_OPS = frozenset(
     {
@@ -473,12 +477,8 @@ class _Recorder(TorchFunctionMode):
         params = [n for n in data_in if g.param_const[n]]
         if name in SHAPE_ONLY_OPS:
             act_in, params = (), []
-        if (
-            params
-            and act_in
-            and all(not g.floating[n] and math.prod(g.shape[n]) <= 1 for n in act_in)
-        ):
-            act_in = ()  # one slice of a parameter picked by a computed index: an expert's weight
+        if params and act_in and _picks_matrices(g, act_in, params):
+            act_in = ()  # an expert's weight picked by a computed index: still a parameter
         if name in BROADCAST_OPS and not act_in and params and self.stack:
             params = []  # a learned token: an activation from here on
             act = True
@@ -512,11 +512,26 @@ class _Recorder(TorchFunctionMode):
         if add_operands is not None:
             for cid in self.stack:
                 self.extent_adds[cid] = self.extent_adds.get(cid, 0) + 1
+        if act and in_tensors and outs[0] is in_tensors[0]:
+            self._write_through(in_tensors[0])
         if name in SDPA_OPS:
             g.sdpa_calls.append(self.stack[-1] if self.stack else None)
             query = args[0] if args else kwargs.get("query")
             g.sdpa_queries.append(tuple(query.shape) if isinstance(query, torch.Tensor) else ())
         return out
+
+    def _write_through(self, view: torch.Tensor) -> None:
+        """An in-place op wrote into a view: its base holds what was written too (DeepSeek-V2
+        fills a ``new_empty`` key tensor through slices, ``k[..., :d].copy_(k_nope)``)."""
+        base = view._base
+        if base is None:
+            return
+        n, b = self._lookup(view), self._lookup(base)
+        if n is None or b is None:
+            return
+        g = self.g
+        act_in = tuple(i for i in (b, n) if g.act[i])
+        self._new(base, "__setitem__", act_in, act=True, param_src=g.param_src[b])
 
     def _weights(
         self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], params: list[int]
@@ -554,6 +569,17 @@ class _Recorder(TorchFunctionMode):
                 src, value = factor
                 value = 1.0 / value if name.startswith(("div", "__truediv__")) else value
                 g.alias[n], g.alias_parent[n], g.factor[n] = g.alias[src], src, value
+
+
+def _picks_matrices(g: Graph, index: tuple[int, ...], params: list[int]) -> bool:
+    """Whether a parameter read only through computed integer indices gives a parameter's
+    values rather than an activation: one slice of it (one index), or matrices picked from a
+    stack of them (a 3-D expert weight indexed by the tokens' expert ids, as batched experts
+    do). Rows picked from a table by token ids are an embedding lookup: an activation."""
+    if any(g.floating[n] for n in index):
+        return False
+    one = all(math.prod(g.shape[n]) <= 1 for n in index)
+    return one or all(len(g.shape[p]) >= 3 for p in params)
 
 
 def _scalar_factor(

@@ -19,8 +19,16 @@ from torch.overrides import (
 )
 
 from .. import probes
-from ..discovery.attention import LOGIT_MASK_OPS, LOGIT_OPS, LOGIT_SCALE_OPS
-from ..discovery.trace import ADD_OPS, MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, iter_tensors
+from ..discovery.attention import LOGIT_MASK_OPS, LOGIT_SCALE_OPS, carries_logits
+from ..discovery.trace import (
+    ADD_OPS,
+    FIRST_ONLY_OPS,
+    MATMUL_OPS,
+    SDPA_OPS,
+    SOFTMAX_OPS,
+    WEIGHT_OPS,
+    iter_tensors,
+)
 
 
 class AddCounter(TorchFunctionMode):
@@ -60,9 +68,11 @@ class AttentionLogits(TorchFunctionMode):
     heads as the module forms its logits from q and k, masks and biases left out; each action
     gets the vector of per-head maxima.
 
-    Eager attention: each product of a matmul of two tensors is followed through `LOGIT_OPS`;
-    its max |.| is taken where a mask or bias first meets it (at the softmax if none does),
-    times the constant factors applied after that, and read when a softmax takes it. Fused
+    Eager attention: each product of a matmul of two tensors is followed through the ops that
+    carry logits (`carries_logits`); its max |.| is taken where another tensor (a mask, a bias,
+    a sink) first meets it (at the softmax if none does), times the constant factors applied
+    after that, and read when a softmax takes it. What the model computes from the logits
+    alone before that (soft-capping, clamping, nan_to_num, casts) is part of forming them. Fused
     attention: from q and k (`probes.sdpa_logit_max`); ``nn.MultiheadAttention``: from its
     input and in-projection weights (`probes.mha_logit_max`).
     """
@@ -92,7 +102,7 @@ class AttentionLogits(TorchFunctionMode):
         factor: torch.Tensor | float = 1.0
         if found is not None:
             t, best, factor = found
-            if best is None and (name in SOFTMAX_OPS or name in LOGIT_MASK_OPS):
+            if best is None and (name in SOFTMAX_OPS or _meets(name, args, kwargs, t)):
                 # before the op: an in-place mask overwrites t
                 best = probes.head_abs_max(t, self.heads)
             if best is not None and name in SOFTMAX_OPS:
@@ -104,7 +114,7 @@ class AttentionLogits(TorchFunctionMode):
             operands = [t for _, t in iter_tensors(args) if not isinstance(t, nn.Parameter)]
             if len(operands) >= 2:
                 self.logits[id(out)] = (weakref.ref(out), None, 1.0)
-        elif found is not None and name in LOGIT_OPS:
+        elif found is not None and _carries(name, found[0], out):
             if best is not None and name in LOGIT_SCALE_OPS:
                 factor = _scaled(factor, name, args, found[0])
             self.logits[id(out)] = (weakref.ref(out), best, factor)
@@ -121,6 +131,24 @@ class AttentionLogits(TorchFunctionMode):
             if entry is not None and entry[0]() is t:
                 return t, entry[1], entry[2]
         return None
+
+
+def _meets(name: str, args: Sequence[Any], kwargs: dict[str, Any], logits: torch.Tensor) -> bool:
+    """Whether the op brings another tensor into the logits (a mask, a bias, a sink): one of
+    `LOGIT_MASK_OPS`, or any op but a scale reading another tensor of more than one element."""
+    if name in LOGIT_MASK_OPS:
+        return True
+    if name in LOGIT_SCALE_OPS or name in FIRST_ONLY_OPS:
+        return False
+    return any(t is not logits and t.numel() > 1 for _, t in iter_tensors((args, kwargs)))
+
+
+def _carries(name: str, logits: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``out`` carries the logits on toward a softmax, as `carries_logits` decides in
+    discovery: a view, slice or extension of them, or an elementwise op on them."""
+    if name in SOFTMAX_OPS or name in WEIGHT_OPS:
+        return False
+    return carries_logits(name, tuple(out.shape), [tuple(logits.shape)], broadcast=True)
 
 
 def _scaled(
