@@ -1,5 +1,6 @@
-"""Architectures from model libraries no other zoo builds: vit-pytorch, x-transformers, pytorchcv
-and diffusers, with ground truth derived from their source (issue 25, "go beyond your zoo").
+"""Architectures from model libraries no other zoo builds: vit-pytorch, x-transformers, pytorchcv,
+diffusers and open_clip, with ground truth derived from their source (issue 25, "go beyond your
+zoo").
 
 Every builder makes a tiny model from constructor arguments (random weights, nothing is
 downloaded; the caller runs ``torch.manual_seed(0)`` and ``model.eval()``) and returns it with
@@ -8,8 +9,8 @@ The expectations are what the source computes, not what discovery printed: many 
 today, and ``XFAIL`` names each (model, check) that fails and the class of issue 25 it falls
 under, so the tests turn red (strict xfail) the day discovery gets it right.
 
-Line numbers refer to vit-pytorch 1.26.14, x-transformers 2.31.10, pytorchcv 0.0.74 and
-diffusers 0.42.1 under ``site-packages``. Conventions beyond ``zoo.py``:
+Line numbers refer to vit-pytorch 1.26.14, x-transformers 2.31.10, pytorchcv 0.0.74, diffusers
+0.42.1 and open_clip_torch 3.3.0 under ``site-packages``. Conventions beyond ``zoo.py``:
 
 * A block is what GPT-2's and DeepNorm's N counts: one attention and one feed-forward branch
   (plus what repeats with them). Where the library keeps each sublayer in its own container
@@ -589,6 +590,81 @@ def build_dit() -> _Built:
     return model, (latents,), kwargs, exp
 
 
+# --------------------------------------------------------------------------------------------
+# open_clip: the two towers of CLIP
+# --------------------------------------------------------------------------------------------
+#
+# ResidualAttentionBlock (open_clip/transformer.py L238-300): L252 `ln_1`, L253 `attn =
+# nn.MultiheadAttention`, L254 `ls_1 = LayerScale` (L38-45, `x * gamma`) or Identity, L258
+# `ln_2`, L260-264 `mlp = Sequential(c_fc, gelu, c_proj)`; L298 `x = q_x + ls_1(attention(ln_1(
+# q_x)))`, L299 `x = x + ls_2(mlp(ln_2(x)))`. Transformer L490 `resblocks = ModuleList`, L567-572
+# run in a chain. The norms are open_clip's LayerNorm (L23-29, an nn.LayerNorm subclass calling
+# F.layer_norm). nn.MultiheadAttention applies `out_proj.weight` itself: `attn.out_proj` writes.
+
+
+def _clip_writers(prefix: str, blocks: int) -> dict[str, tuple[str, ...]]:
+    out: dict[str, tuple[str, ...]] = {}
+    for i in range(blocks):
+        out[f"{prefix}.{i}#0"] = (f"{prefix}.{i}.attn.out_proj",)
+        out[f"{prefix}.{i}#1"] = (f"{prefix}.{i}.mlp.c_proj",)
+    return out
+
+
+# open_clip VisionTransformer, image 32, patch 8, width 32, 3 layers, 2 heads, LayerScale 1e-5:
+# - Norms: L652 `ln_pre` after the class token and position add (L797), before the blocks ->
+#   other; ln_1, ln_2 x 3 -> pre (6); L705 `ln_post` on the last block's tokens before pooling
+#   -> final. Total 8 layernorm.
+# - 6 adds (L298-299), writers attn.out_proj and mlp.c_proj, LayerScale `ls_K.gamma` scales.
+# - Stack transformer.resblocks, 3, pre-ln. Attention: 3 nn.MultiheadAttention (mha). Head: L913
+#   `pooled @ self.proj`, a bare parameter of the model itself -> the root, "".
+def build_clip_vision() -> _Built:
+    from open_clip.transformer import VisionTransformer
+
+    model = VisionTransformer(
+        image_size=32, patch_size=8, width=32, layers=3, heads=2, mlp_ratio=2.0,
+        ls_init_value=1e-5, output_dim=16,
+    )  # fmt: skip
+    s = "transformer.resblocks"
+    exp = Expected(
+        norms={"layernorm": 8},
+        roles={"other": 1, "pre": 6, "final": 1},
+        stacks={s: (3, "pre-ln")},
+        adds_per_stack={s: 6},
+        residual_adds=6,
+        attention=3,
+        head="",
+        writers=_clip_writers(s, 3),
+    )
+    return model, (_image(),), {}, exp
+
+
+# open_clip TextTransformer, 16 tokens, vocab 128, width 32, 3 layers, 2 heads, output 16:
+# - L1022 a causal additive mask buffer, passed to every block as `attn_mask` (L1224).
+# - Norms: ln_1, ln_2 x 3 -> pre (6); L1017 `ln_final` (L1234) after the blocks -> final. 7.
+# - 6 adds; stack transformer.resblocks, 3, pre-ln; attention 3 (mha). Pooling L935 takes the
+#   argmax token; head: L1242 `pooled @ self.text_projection`, a parameter of the model (proj_bias
+#   False, L1030) -> "".
+def build_clip_text() -> _Built:
+    from open_clip.transformer import TextTransformer
+
+    model = TextTransformer(
+        context_length=SEQ, vocab_size=VOCAB, width=32, heads=2, layers=3, mlp_ratio=2.0,
+        output_dim=16,
+    )  # fmt: skip
+    s = "transformer.resblocks"
+    exp = Expected(
+        norms={"layernorm": 7},
+        roles={"pre": 6, "final": 1},
+        stacks={s: (3, "pre-ln")},
+        adds_per_stack={s: 6},
+        residual_adds=6,
+        attention=3,
+        head="",
+        writers=_clip_writers(s, 3),
+    )
+    return model, (_ids(),), {}, exp
+
+
 BUILDERS: dict[str, Callable[[], _Built]] = {
     "vitpt_vit": build_vit,
     "vitpt_cait": build_cait,
@@ -605,6 +681,8 @@ BUILDERS: dict[str, Callable[[], _Built]] = {
     "pcv_resnet_cifar": build_resnet_cifar,
     "pcv_seresnet_cifar": build_seresnet_cifar,
     "diffusers_dit": build_dit,
+    "openclip_vision": build_clip_vision,
+    "openclip_text": build_clip_text,
 }
 
 _UNPACKED = (
