@@ -589,6 +589,39 @@ def build_seresnet_cifar() -> _Built:
     return model, (_image(batch=2),), {}, exp
 
 
+# pytorchcv CIFARShakeShakeResNet (shakeshakeresnet_cifar.py), same channels: ShakeShakeResUnit
+# (L118-132) runs two ResBlocks on the unit's input, `x1 = branch1(x)`, `x2 = branch2(x)`, and in
+# eval L129 `x = 0.5 * (x1 + x2)` (training: L126-127 a random convex mix through the autograd
+# Function ShakeShake, L11-20), then L130 `x + identity`: one add with two writers, a parallel
+# block. The stride-2 units' shortcut ShakeShakeShortcut (L66-75: two 1x1 convs on shifted,
+# pooled inputs, concatenated, BatchNorm) makes a projection add.
+# - Norms (BatchNorm2d): 2 per branch, 2 branches, 6 units -> branch (24); init_block.bn and the
+#   two shortcut bns -> other (3). Total 27. Writers: branch1.conv2.conv, branch2.conv2.conv.
+# - Stacks: the 3 stages, parallel; 6 adds, 2 projection.
+def build_shakeshake_cifar() -> _Built:
+    from pytorchcv.models.shakeshakeresnet_cifar import CIFARShakeShakeResNet
+
+    model = CIFARShakeShakeResNet(
+        channels=[[16, 16], [32, 32], [64, 64]], init_block_channels=16, bottleneck=False
+    )
+    writers = {
+        k: (v[0].replace("body", "branch1"), v[0].replace("body", "branch2"))
+        for k, v in _cifar_writers("body.conv2.conv").items()
+    }
+    exp = Expected(
+        norms={"batchnorm": 27},
+        roles={"branch": 24, "other": 3},
+        stacks={s: (2, "parallel") for s in _STAGES},
+        adds_per_stack=dict.fromkeys(_STAGES, 2),
+        residual_adds=6,
+        projection_adds=2,
+        attention=0,
+        head="output",
+        writers=writers,
+    )
+    return model, (_image(batch=2),), {}, exp
+
+
 # --------------------------------------------------------------------------------------------
 # diffusers
 # --------------------------------------------------------------------------------------------
@@ -735,6 +768,7 @@ BUILDERS: dict[str, Callable[[], _Built]] = {
     "pcv_preresnet_cifar": build_preresnet_cifar,
     "pcv_resnet_cifar": build_resnet_cifar,
     "pcv_seresnet_cifar": build_seresnet_cifar,
+    "pcv_shakeshake_cifar": build_shakeshake_cifar,
     "diffusers_dit": build_dit,
     "openclip_vision": build_clip_vision,
     "openclip_text": build_clip_text,
