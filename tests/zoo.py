@@ -56,6 +56,8 @@ class Expected:
     # "<module path>#<ordinal>" -> every layer writing into the stream through that add
     writers: dict[str, tuple[str, ...]] = field(default_factory=dict)
     branch_out: dict[str, str | None] | None = None
+    # "<module path>#<ordinal>" -> every layer whose output multiplies what that add writes
+    gates: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.branch_out is None:
