@@ -358,7 +358,10 @@ def _actions(model: nn.Module, b: Built) -> dict[str, Callable[[nn.Module], obje
     own = {_glob(n.path): n.kind if n.kind in TARGETS else None for n in b.model_map.norms}
     return {
         "reinit": lambda m: normprobe.reinit(m, "gpt2", **io),
-        "insert_branch_scale": lambda m: normprobe.insert_branch_scale(m, "layerscale", **io),
+        # CaiT's init depends on the depth, which a depth doubt is about
+        "insert_branch_scale": lambda m: normprobe.insert_branch_scale(
+            m, "layerscale", init="cait", **io
+        ),
         "convert_norms": lambda m: normprobe.convert_norms(m, own, **io),
     }
 
