@@ -173,13 +173,17 @@ class ConvBlock(nn.Module):
         return x + h
 
 
+class MlpPreNorm(PreNorm):
+    """The feed-forward sublayer, a class of its own as torchvision's and timm's MLP is."""
+
+
 class PartitionAttention(nn.Module):
     """MaxViT's window or grid attention layer: attention then feed-forward, each residual."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
         self.attn = PreNorm(width, SelfAttention(width))
-        self.mlp = PreNorm(width, FeedForward(width))
+        self.mlp = MlpPreNorm(width, FeedForward(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(x)
@@ -535,6 +539,30 @@ class Grouped(nn.Module):
         return out
 
 
+class Stage(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(width), Block(width)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class GroupedStages(nn.Module):
+    """`Grouped` with the groups called from the parent's loop over a ModuleList."""
+
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.groups = nn.ModuleList(Stage(width) for _ in range(DEPTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.groups:
+            x = stage(x)
+        return x
+
+
 def test_an_add_outside_the_stack_is_a_doubt() -> None:
     m = _discover(ExtraAdd(), _tokens())
     assert _stacks(m) == {"blocks": (DEPTH, "pre-ln", DEPTH)}
@@ -554,11 +582,13 @@ def test_four_adds_and_no_stack_is_a_doubt() -> None:
     assert {"fc1", "fc4"} <= set(doubt.modules)
 
 
-def test_stacks_nested_along_one_run_are_a_doubt() -> None:
-    m = _discover(Grouped(), _tokens())
+@pytest.mark.parametrize("build", [Grouped, GroupedStages])
+def test_stacks_nested_along_one_run_are_a_doubt(build: type[nn.Module]) -> None:
+    m = _discover(build(), _tokens())
+    inner = "groups.{}" if build is Grouped else "groups.{}.blocks"
     assert {s.path: s.depth for s in m.stacks} == {
         "groups": DEPTH,
-        **{f"groups.{i}": 2 for i in range(DEPTH)},
+        **{inner.format(i): 2 for i in range(DEPTH)},
     }
     (doubt,) = m.doubts
     assert doubt.kind == "nested-stacks" and doubt.path == "groups"

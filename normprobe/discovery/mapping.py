@@ -374,31 +374,39 @@ class _Builder:
 
     def _sublayers(self, s: FoundStack, nested: bool) -> bool:
         """Whether the blocks of candidate ``s`` are a block's sublayers: a run of residual
-        adds goes on past the last of them, and they are of several classes, or a plain
-        module's run inside another stack's block (MaxViT's MBConv, window and grid
-        attention), or all in one entry of a list the parent iterates without calling it
-        (``for attn, ff in self.layers``), whose entries hold the run."""
+        adds goes on past the last of them, into the next entry of the list whose entry holds
+        them, and they are of several classes, or of one class beside another inside another
+        stack's block (MaxViT's MBConv, window and grid attention); or into another entry,
+        never called, of a list holding the run (``for attn, ff in self.layers``)."""
         inside = {
             i for i, a in enumerate(self.adds) if any(self._add_within(a, b) for b in s.blocks)
         }
-        crossing = []
+        following: list[tuple[list[int], int]] = []  # (run, the add after the last inside)
         for run in self.runs:
             last = max((k for k, i in enumerate(run) if i in inside), default=len(run))
             if last + 1 < len(run):
-                crossing.append(run)
-        if not crossing:
-            return False
-        if s.mixed or (not s.generic and nested):
-            return True
+                following.append((run, run[last + 1]))
         modules = dict(self.model.named_modules())
-        for run in crossing:
+        held = common_path(s.blocks)
+        beside = not s.generic and nested and "[" in s.path  # beside a block of another class
+        if s.mixed or beside:
+            entry = _entry(held, modules)
+            if entry is None:
+                return False
+            parent = entry.rpartition(".")[0]
+            return any(
+                (not parent or self._add_within(self.adds[j], parent))
+                and not self._add_within(self.adds[j], entry)
+                for _, j in following
+            )
+        for run, _ in following:
             homes = [self._home(self.adds[i]) for i in run]
             container = common_path([h for h in homes if h is not None])
-            listed = isinstance(modules[container], nn.ModuleList | nn.Sequential)
-            if listed and container not in self.first_call:
-                entry = common_path(s.blocks)
-                if entry.startswith(container + ".") or not container:
-                    return True
+            if not isinstance(modules[container], nn.ModuleList) or not _within(held, container):
+                continue
+            entry = ".".join(held.split(".")[: len(container.split(".")) + 1])
+            if held != container and entry not in self.first_call:
+                return True
         return False
 
     def _without_lone_sublayers(self, found: list[FoundStack]) -> list[FoundStack]:
@@ -916,6 +924,16 @@ def _plain_path(g: Graph, start: int, end: int) -> bool:
 def _doubt_paths(adds: list[ResidualAdd]) -> tuple[str, ...]:
     """The modules performing ``adds`` and the layers writing through them."""
     return tuple(dict.fromkeys(p for a in adds for p in (a.module, *a.writers)))
+
+
+def _entry(path: str, modules: dict[str, nn.Module]) -> str | None:
+    """The innermost module holding ``path`` (or ``path`` itself) that a list holds."""
+    while path:
+        parent = path.rpartition(".")[0]
+        if isinstance(modules[parent], nn.ModuleList | nn.Sequential | nn.ModuleDict):
+            return path
+        path = parent
+    return None
 
 
 def _within(path: str, block: str) -> bool:
