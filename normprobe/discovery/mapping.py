@@ -31,7 +31,15 @@ from .model_map import (
     Stack,
 )
 from .residual import FoundAdd, find_residual_adds
-from .stacks import FoundStack, executed_stacks, skipped_blocks, structural_stacks
+from .stacks import (
+    FoundStack,
+    common_path,
+    executed_stacks,
+    skipped_blocks,
+    stream_runs,
+    structural_stacks,
+    unpacked_stacks,
+)
 from .state import preserved
 from .trace import (
     ADD_OPS,
@@ -206,6 +214,7 @@ class _Builder:
         self.weight_layers: set[str] = set()
         self._consumers: dict[int, list[int]] | None = None  # node -> nodes reading it
         self._pre_normed: list[bool] = []  # per add: whether a pre norm feeds its branch
+        self.runs: list[list[int]] = []  # the adds (indices) along each stream, in order
 
     def build(self) -> ModelMap:
         g = self.g
@@ -215,13 +224,22 @@ class _Builder:
         self.adds = adds
         if g is not None:
             self.weight_layers = {o for n, o in enumerate(g.owner) if g.weight[n] and o is not None}
-            stacks = executed_stacks(structural_stacks(self.model), g, self._holds_add)
+            self.runs = stream_runs(g, adds)
+            sums = sorted(a.out for a in adds)
+            found = executed_stacks(
+                structural_stacks(self.model), g, self._holds_add, sums, self._sublayers
+            )
+            stacks = self._with_unpacked(self._without_lone_sublayers(found))
         else:  # without a forward only the module tree shows: containers of one class
             stacks = [s for s in structural_stacks(self.model) if s.generic]
         self.stacks = stacks
         # block path -> (stack, index); a path's blocks are found among its dotted prefixes
         self.blocks = {
-            b: (s.path, i) for s in stacks if not s.repeated for i, b in enumerate(s.blocks)
+            b: (s.path, i)
+            for s in stacks
+            if not s.repeated
+            for i, members in enumerate(s.members or [[b] for b in s.blocks])
+            for b in members
         }
         self.repeated = {s.blocks[0]: s.path for s in stacks if s.repeated}
         attention = find_attention(g) if g is not None else {}
@@ -258,6 +276,7 @@ class _Builder:
         )
         if g is not None:
             model_map.doubts += self._unattached_writers(residual_adds)
+            model_map.doubts += self._nested_doubts(model_map)
         model_map.doubts = merged(model_map.doubts, doubts(model_map, self.model))
         self._warn(model_map)
         return model_map
@@ -442,6 +461,100 @@ class _Builder:
             if inside and g.alias[a.stream] in inputs:
                 return True
         return False
+
+    def _add_within(self, a: FoundAdd, block: str) -> bool:
+        """Whether ``block`` performs add ``a`` or holds every one of its writers."""
+        g = self.g
+        assert g is not None
+        writers = [g.owner[n] or "" for n in a.writes.writers]
+        return _within(g.calls[a.call].path, block) or (
+            bool(writers) and all(_within(w, block) for w in writers)
+        )
+
+    def _sublayers(self, s: FoundStack, nested: bool) -> bool:
+        """Whether the blocks of candidate ``s`` are a block's sublayers: a run of residual
+        adds goes on past the last of them, into the next entry of the list whose entry holds
+        them, and they are of several classes, or of one class beside another inside another
+        stack's block (MaxViT's MBConv, window and grid attention); or into another entry,
+        never called, of a list holding the run (``for attn, ff in self.layers``)."""
+        inside = {
+            i for i, a in enumerate(self.adds) if any(self._add_within(a, b) for b in s.blocks)
+        }
+        following: list[tuple[list[int], int]] = []  # (run, the add after the last inside)
+        for run in self.runs:
+            last = max((k for k, i in enumerate(run) if i in inside), default=len(run))
+            if last + 1 < len(run):
+                following.append((run, run[last + 1]))
+        modules = dict(self.model.named_modules())
+        held = common_path(s.blocks)
+        beside = not s.generic and nested and "[" in s.path  # beside a block of another class
+        if s.mixed or beside:
+            entry = _entry(held, modules)
+            if entry is None:
+                return False
+            parent = entry.rpartition(".")[0]
+            return any(
+                (not parent or self._add_within(self.adds[j], parent))
+                and not self._add_within(self.adds[j], entry)
+                for _, j in following
+            )
+        for run, _ in following:
+            homes = [self._home(self.adds[i]) for i in run]
+            container = common_path([h for h in homes if h is not None])
+            if not isinstance(modules[container], nn.ModuleList) or not _within(held, container):
+                continue
+            entry = ".".join(held.split(".")[: len(container.split(".")) + 1])
+            if held != container and entry not in self.first_call:
+                return True
+        return False
+
+    def _without_lone_sublayers(self, found: list[FoundStack]) -> list[FoundStack]:
+        """Drop the mixed containers and plain modules' runs held by a block that is no
+        stack's block but of a class other stacks have as blocks: the sublayers of a block
+        alone in its stage (a MaxViT stage of one layer), not a stack of their own."""
+        modules = dict(self.model.named_modules())
+        blocks = {b for s in found for b in s.blocks}
+        classes = {
+            type(modules[b]) for s in found if s.generic and not s.repeated for b in s.blocks
+        }
+
+        def lone(s: FoundStack) -> bool:
+            holder = s.path.rpartition(".")[0] if s.mixed else s.path.partition("[")[0]
+            module = modules.get(holder)
+            return (
+                holder not in blocks
+                and type(module) in classes
+                and not isinstance(module, nn.ModuleList | nn.Sequential | nn.ModuleDict)
+            )
+
+        return [s for s in found if s.generic or not lone(s)]
+
+    def _with_unpacked(self, found: list[FoundStack]) -> list[FoundStack]:
+        """``found`` and the stacks of the stretches of runs no block of them holds, in
+        execution order."""
+        g = self.g
+        assert g is not None
+        blocks = [b for s in found for members in s.members or [s.blocks] for b in members]
+        held = [any(self._add_within(a, b) for b in blocks) for a in self.adds]
+        stretches: list[list[int]] = []
+        for run in self.runs:
+            for i, previous in zip(run, [None, *run], strict=False):
+                if held[i]:
+                    continue
+                if previous is None or held[previous]:
+                    stretches.append([])
+                stretches[-1].append(i)
+        homes = [self._home(a) for a in self.adds]
+        keyed = [(g.calls[self.first_call[s.blocks[0]]].first_node, s) for s in found]
+        keyed += unpacked_stacks(self.model, self.adds, stretches, homes)
+        return [s for _, s in sorted(keyed, key=lambda item: item[0])]
+
+    def _home(self, a: FoundAdd) -> str | None:
+        """The innermost module holding every writer of ``a`` (its weight layers, without)."""
+        g = self.g
+        assert g is not None
+        paths = [g.owner[n] or "" for n in a.writes.writers] or list(a.layers)
+        return common_path(paths) if paths else None
 
     # roles -----------------------------------------------------------------------------------
     def _roles(
@@ -860,7 +973,37 @@ class _Builder:
             parent,
             norm_placement=norm_placement,
             repeated=s.repeated,
+            members=tuple(tuple(m) for m in s.members or ()),
         )
+
+    # doubts --------------------------------------------------------------------------------------
+    def _nested_doubts(self, m: ModelMap) -> list[Doubt]:
+        """Stacks holding stacks whose blocks one run of adds crosses: the outer blocks stand
+        along the same stream as the inner ones, so either count could be the depth."""
+        doubts = []
+        inner = {s.parent for s in m.stacks if s.parent is not None and not s.repeated}
+        for outer in (s for s in m.stacks if s.path in inner):
+            anchors = [a.writers[-1] if a.writers else a.module for a in m.residual_adds]
+            index = [
+                next((i for s, i in self._blocks_of(p) if s == outer.path), None) for p in anchors
+            ]
+            if not any(len({index[i] for i in run} - {None}) > 1 for run in self.runs):
+                continue
+            held = [a for a, i in zip(m.residual_adds, index, strict=True) if i is not None]
+            reason = (
+                f"one run of residual adds crosses the blocks of stack {outer.path or '<root>'} "
+                "and of the stacks inside them: the depth N is either count; pass n_layers="
+            )
+            doubts.append(
+                Doubt(
+                    "nested-stacks",
+                    outer.path,
+                    reason,
+                    ("reinit", "insert_branch_scale"),  # N, and CaiT's init of LayerScale
+                    (outer.path, *_doubt_paths(held)),
+                )
+            )
+        return doubts
 
     # head ----------------------------------------------------------------------------------------
     def _head(self) -> str | None:
@@ -983,6 +1126,21 @@ def _member_paths(path: str) -> Iterator[tuple[str, str, str]]:
 
 def _is_list(m: nn.Module | None) -> bool:
     return isinstance(m, nn.ModuleList | nn.ModuleDict)
+
+
+def _doubt_paths(adds: list[ResidualAdd]) -> tuple[str, ...]:
+    """The modules performing ``adds`` and the layers writing through them."""
+    return tuple(dict.fromkeys(p for a in adds for p in (a.module, *a.writers)))
+
+
+def _entry(path: str, modules: dict[str, nn.Module]) -> str | None:
+    """The innermost module holding ``path`` (or ``path`` itself) that a list holds."""
+    while path:
+        parent = path.rpartition(".")[0]
+        if isinstance(modules[parent], nn.ModuleList | nn.Sequential | nn.ModuleDict):
+            return path
+        path = parent
+    return None
 
 
 def _within(path: str, block: str) -> bool:

@@ -100,6 +100,9 @@ class Stack:
             ``parallel``).
         repeated: the blocks are one module run several times (ALBERT's shared layer);
             ``blocks`` then holds its path once per run.
+        members: each block's modules where a block is several modules side by side rather
+            than one (x-transformers' attention and feed-forward entries alternating in one
+            list): ``blocks[i]`` is ``members[i][0]``; empty otherwise.
     """
 
     path: str
@@ -110,6 +113,7 @@ class Stack:
     parent: str | None = None
     norm_placement: NormPlacement = "no-norm"
     repeated: bool = False
+    members: tuple[tuple[str, ...], ...] = ()
 
     @property
     def depth(self) -> int:

@@ -3,8 +3,10 @@ several times in a chain."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import inspect
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -12,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from .residual import FoundAdd
 from .trace import Call, Graph, Key
 
 _GENERIC = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -28,6 +31,9 @@ class FoundStack:
     # a mixed container holding two or more blocks of one class in a row: a stack whose last or
     # first block differs (EdgeNeXt's stage), not the sublayers of one block (T5's)
     repeats_a_class: bool = False
+    # each block's modules, where a block is several entries of the stack's list (attention
+    # and feed-forward side by side) or of parallel lists; blocks[i] is members[i][0]
+    members: list[list[str]] | None = None
 
 
 def _signature(module: nn.Module) -> tuple[object, ...]:
@@ -104,7 +110,11 @@ def skipped_blocks(candidates: list[FoundStack], g: Graph) -> list[str]:
 
 
 def executed_stacks(
-    candidates: list[FoundStack], g: Graph, has_adds: Callable[[str], bool]
+    candidates: list[FoundStack],
+    g: Graph,
+    has_adds: Callable[[str], bool],
+    sums: list[int] | None = None,
+    sublayers: Callable[[FoundStack, bool], bool] | None = None,
 ) -> list[FoundStack]:
     """Keep candidates whose blocks ran in a chain (block i+1 reads what block i wrote, through
     an argument block i was given a tensor in), and add every module run several times in a
@@ -113,7 +123,13 @@ def executed_stacks(
     Blocks are put in execution order; expert lists and parallel heads, whose members all read
     the same input, are dropped. Blocks held by a plain module or a mixed container must
     perform residual adds (``has_adds(path)``, some of them), and so must repeated modules:
-    two chained layers of a block are no depth axis.
+    two chained layers of a block are no depth axis. Where the model makes residual adds
+    (their sums' nodes, ``sums``), blocks applying no weight (norms) must stand at different
+    depths of the stream: an add completes while they run (a pre and a post norm of one
+    sublayer kept in a list stand at one depth, before the sublayer's add). Candidates
+    holding a block's sublayers rather than blocks (``sublayers(candidate, inside another
+    kept stack's block)``: MaxViT's MBConv, window and grid attention) are dropped, and so
+    are those of the same structure.
     """
     calls_of: dict[str, list[int]] = {}
     for cid, call in enumerate(g.calls):
@@ -128,8 +144,12 @@ def executed_stacks(
             continue
         if cand.mixed and (len(ran) < len(cand.blocks) or not all(has_adds(b) for _, b in ran)):
             continue
+        if sums and not _apart(g, [cid for cid, _ in ran], sums):
+            continue  # weightless blocks at one depth: a sublayer's pre and post norms
         blocks = [b for _, b in ran]
         kept.append((ran[0][0], dataclasses.replace(cand, blocks=blocks)))
+    if sublayers is not None:
+        kept = _without_sublayers(kept, g, first_call, sublayers)
     # blocks of several classes, none twice in a row, inside a block of another stack are its
     # sublayers (T5's self-attention, cross-attention and feed-forward), not a hybrid stack
     blocks_of = [b for _, s in kept if not s.mixed for b in s.blocks]
@@ -153,6 +173,163 @@ def executed_stacks(
         block_type = type(g.calls[cids[0]].module).__name__
         kept.append((cids[0], FoundStack(path, [path] * len(cids), block_type, repeated=True)))
     return [s for _, s in sorted(kept, key=lambda item: item[0])]
+
+
+def _apart(g: Graph, cids: list[int], sums: list[int]) -> bool:
+    """Whether the calls ``cids`` apply a weight, or some residual sum (a node of sorted
+    ``sums``) is computed from the start of the first of them to the end of the last."""
+    calls = [g.calls[c] for c in cids]
+    if any(g.weight[n] for c in calls for n in range(c.first_node, c.end_node)):
+        return True
+    i = bisect.bisect_left(sums, calls[0].first_node)
+    return i < len(sums) and sums[i] < calls[-1].end_node
+
+
+def _without_sublayers(
+    kept: list[tuple[int, FoundStack]],
+    g: Graph,
+    first_call: dict[str, int],
+    sublayers: Callable[[FoundStack, bool], bool],
+) -> list[tuple[int, FoundStack]]:
+    """Drop the candidates ``sublayers`` tells are a block's sublayers, and those of the same
+    classes in the same order (the last layer's, after which the run ends)."""
+    blocks_of = [b for _, s in kept if s.generic for b in s.blocks]
+
+    def nested(s: FoundStack) -> bool:
+        return any(s.blocks[0].startswith(b + ".") for b in blocks_of)
+
+    def structure(s: FoundStack) -> tuple[type, ...]:
+        return tuple(type(g.calls[first_call[b]].module) for b in s.blocks)
+
+    dropped = {structure(s) for _, s in kept if sublayers(s, nested(s))}
+    return [(c, s) for c, s in kept if structure(s) not in dropped]
+
+
+def common_path(paths: list[str]) -> str:
+    """The innermost module path holding every one of ``paths``."""
+    parts = [p.split(".") if p else [] for p in paths]
+    common = 0
+    while parts and all(len(p) > common and p[common] == parts[0][common] for p in parts):
+        common += 1
+    return ".".join(parts[0][:common]) if parts else ""
+
+
+def stream_runs(g: Graph, adds: list[FoundAdd]) -> list[list[int]]:
+    """The runs of residual adds along one stream, as indices into ``adds`` (in order).
+
+    Add j continues add i when j's skip reads i's sum through no weight op (views, dropout,
+    Post-LN's norm); a skip through a weight layer (a projection shortcut) or from no earlier
+    sum starts a run. Of two adds continuing one sum, the first does.
+    """
+    sums = {a.out: i for i, a in enumerate(adds)}
+    following: dict[int, int] = {}
+    starts = []
+    for j, a in enumerate(adds):
+        i = _previous_sum(g, a.skip, sums)
+        if i is None or i in following:
+            starts.append(j)
+        else:
+            following[i] = j
+    runs = []
+    for j in starts:
+        run = [j]
+        while run[-1] in following:
+            run.append(following[run[-1]])
+        runs.append(run)
+    return runs
+
+
+def _previous_sum(g: Graph, node: int, sums: dict[int, int]) -> int | None:
+    """The latest residual sum (index in ``sums``) that ``node`` derives from through no
+    weight op."""
+    todo, seen, found = [node], set(), []
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in sums:
+            found.append(sums[n])
+        elif not g.weight[n]:
+            todo.extend(g.inputs[n])
+    return max(found, default=None)
+
+
+def unpacked_stacks(
+    model: nn.Module, adds: list[FoundAdd], runs: list[list[int]], homes: list[str | None]
+) -> list[tuple[int, FoundStack]]:
+    """Stacks of the runs of adds no stack holds (their indices in ``runs``): blocks a parent
+    iterates without calling them (``for attn, ff in self.layers``), with each add's writers
+    living in ``homes[i]`` (their common module); each with the node its first add starts at.
+
+    The blocks are the children of the common container of the run's homes, grouped into the
+    repeating unit of their structure (x-transformers' attention and feed-forward entries
+    alternating in one list: a block is one of each); where the homes share no container, the
+    children of containers holding them (parallel lists zipped by the parent).
+    """
+    modules = dict(model.named_modules())
+    found = []
+    for run in runs:
+        entries = _entries([homes[i] for i in run], modules)
+        if entries is None:
+            continue
+        path, order = entries
+        units = _units([modules[e] for e in order])
+        if len(order) // units < 2:
+            continue
+        groups = [order[k : k + units] for k in range(0, len(order), units)]
+        block_type = "+".join(type(modules[e]).__name__ for e in groups[0])
+        stack = FoundStack(
+            path,
+            [u[0] for u in groups],
+            block_type,
+            members=groups if units > 1 else None,
+        )
+        found.append((min(adds[run[0]].region, default=adds[run[0]].out), stack))
+    return found
+
+
+def _entries(
+    homes: list[str | None], modules: dict[str, nn.Module]
+) -> tuple[str, list[str]] | None:
+    """(container, the modules holding each add in turn, each listed once) when each holds
+    a contiguous stretch of the run, else None."""
+    known = [h for h in homes if h is not None]
+    if len(known) < len(homes) or len(homes) < 2:
+        return None
+    container = common_path(known)
+    common = len(container.split(".")) if container else 0
+    listed = isinstance(modules[container], _GENERIC)
+    held = []
+    for p in (h.split(".") if h else [] for h in known):
+        if listed:
+            depth = common + 1
+        else:  # no container: the outermost module below it a list holds
+            depth = next(
+                (
+                    d
+                    for d in range(common + 1, len(p) + 1)
+                    if isinstance(modules[".".join(p[: d - 1])], _GENERIC)
+                ),
+                0,
+            )
+        if not depth or len(p) < depth:
+            return None
+        held.append(".".join(p[:depth]))
+    order = list(dict.fromkeys(held))
+    changes = sum(a != b for a, b in itertools.pairwise(held))
+    if changes != len(order) - 1:
+        return None  # a module holds adds in two stretches of the run
+    return container, order
+
+
+def _units(entries: list[nn.Module]) -> int:
+    """The length of the shortest repeating pattern of the entries' structure."""
+    signatures = [_signature(e) for e in entries]
+    n = len(signatures)
+    return next(
+        p for p in range(1, n + 1) if n % p == 0 and signatures == signatures[:p] * (n // p)
+    )
 
 
 def _inside_repeated(path: str, repeated: set[str], calls_of: dict[str, list[int]]) -> bool:

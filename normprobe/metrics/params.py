@@ -23,8 +23,8 @@ class BlockParams:
         self.blocks: dict[str, slice] = {}
         self.count = 0
         for s in plan.stacks():
-            for block in s.blocks:
-                params = list(plan.modules[block].parameters())
+            for members in s.members or tuple((b,) for b in s.blocks):
+                params = [p for m in members for p in plan.modules[m].parameters()]
                 self.params += params
                 self.param_block += [self.count] * len(params)
                 self.count += 1

@@ -88,7 +88,8 @@ class ProbePlan:
         self._blocks = {  # each block of a stack with weights of its own, as tags name it
             block: f"{self.stack_name(s.path)}/{tags.block_label(b, s.depth)}"
             for s in self.stacks()
-            for b, block in enumerate(s.blocks)
+            for b, members in enumerate(s.members or tuple((blk,) for blk in s.blocks))
+            for block in members
         }
 
     def install(self, families: Iterable[Family]) -> None:

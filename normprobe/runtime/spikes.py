@@ -130,8 +130,13 @@ class SpikeDetector:
         blocks = {}
         for stack in plan.stacks():
             name = plan.stack_name(stack.path)
-            for b, block in enumerate(stack.blocks):
-                held = {index[id(p)] for p in plan.modules[block].parameters() if id(p) in index}
+            for b, members in enumerate(stack.members or tuple((m,) for m in stack.blocks)):
+                held = {
+                    index[id(p)]
+                    for m in members
+                    for p in plan.modules[m].parameters()
+                    if id(p) in index
+                }
                 blocks[f"{name}/{tags.block_label(b, stack.depth)}"] = held
         return SpikeDetector(spikes, params, blocks)
 
