@@ -795,13 +795,10 @@ _WRAPPED_CONVERT = (
 # Checks: "map", "gpt2" (every writer of the discovered map), "true_gpt2" (every writer of the
 # source's map, or a refusal), "convert", "probe", "diagnose" (test_real_architectures.py).
 XFAIL: dict[tuple[str, str], str] = {
-    ("vitpt_vit", "map"): _UNPACKED,
-    ("vitpt_vit", "true_gpt2"): f"{_UNPACKED}: N=2, writers std 0.0100 where 0.0082 (N=3) is due",
     ("vitpt_cait", "map"): (
         f"{_UNPACKED}; and new class: talking heads (an einsum with a (heads, heads) parameter) "
         "between q.k^T and the softmax hides all 5 attention modules"
     ),
-    ("vitpt_cait", "true_gpt2"): f"{_UNPACKED}: N=2, std 0.0100 where 0.0082 (N=3) is due",
     ("vitpt_cait", "diagnose"): (
         "new class (talking heads between q.k^T and the softmax): no attention module is "
         "found, so the attention-logits check reads n/a"
@@ -811,12 +808,6 @@ XFAIL: dict[tuple[str, str], str] = {
         "layers.2[2..7]) and layers.1 (MBConvResidual/Residual) become stacks holding all 13 "
         "adds, `layers` holds none; the stem's two convs are a 'no-residual' stack"
     ),
-    ("vitpt_maxvit", "true_gpt2"): (
-        "issue 25 class 11: N=4 (std 0.0071) in layers.0/2 and N=5 (0.0063) in layers.1, "
-        "where N=3 (0.0082) is due"
-    ),
-    ("vitpt_parallel_vit", "map"): _UNPACKED,
-    ("vitpt_parallel_vit", "true_gpt2"): f"{_UNPACKED}: N=2, std 0.0100 where 0.0082 is due",
     ("vitpt_keel_vit", "map"): (
         "issue 25 class 2 (a flat list of alternating Attention/FeedForward: 6 one-sublayer "
         "blocks, not 3 pairs) and class 3 (the `post_norms` list is a 5-block post-ln stack, "
@@ -825,74 +816,25 @@ XFAIL: dict[tuple[str, str], str] = {
     ("vitpt_keel_vit", "true_gpt2"): (
         "issue 25 class 2: N=6, writers std 0.0058 where 0.0082 (N=3) is due"
     ),
-    ("xt_decoder", "map"): f"{_WRAPPED_NORM}; {_SUBLAYERS}",
-    ("xt_decoder", "convert"): _WRAPPED_CONVERT,
-    ("xt_decoder", "true_gpt2"): (
-        f"{_SUBLAYERS}: N = 4 adds, std 0.0071 where 0.0100 (N=2) is due"
-    ),
-    ("xt_sandwich_rms", "map"): (
-        "issue 25 class 3: each sublayer's ModuleList([pre_norm, post_norm, None]) is a 2-block "
-        f"sandwich stack; {_SUBLAYERS}"
-    ),
-    ("xt_sandwich_rms", "true_gpt2"): (
-        "issue 25 class 3: N=2 from the norm lists, std 0.0100 where 0.0082 (N=3) is due"
-    ),
-    ("xt_postnorm_scale", "map"): (
-        "issue 25 class 5: the learned skip gain (`residual * residual_scale`) hides all 4 "
-        f"adds, every norm `other`; {_WRAPPED_NORM}"
-    ),
-    ("xt_postnorm_scale", "gpt2"): "issue 25 class 5: no residual add, reinit refuses",
-    ("xt_postnorm_scale", "convert"): _WRAPPED_CONVERT,
-    ("xt_layerscale_qknorm", "map"): (
-        "issue 25 class 4: LayerScale at 0 makes each branch write zeros, and the 4 Residual "
-        f"modules (`x + residual`) are listed as norms of kind unknown; {_WRAPPED_NORM}; "
-        f"{_SUBLAYERS}"
-    ),
-    ("xt_layerscale_qknorm", "convert"): _WRAPPED_CONVERT,
-    ("xt_layerscale_qknorm", "true_gpt2"): (
-        f"{_SUBLAYERS}: N = 4 adds, std 0.0071 where 0.0100 (N=2) is due"
-    ),
     ("xt_macaron_resattn", "map"): (
         "new class: residual attention (`sim = sim + prev_attn`, logits carried from one "
         "attention to the next) is a 7th residual add (writers to_q, to_k) and the second "
         f"attention is placed at `attn_layers`; {_WRAPPED_NORM}; {_SUBLAYERS}"
-    ),
-    ("xt_macaron_resattn", "convert"): _WRAPPED_CONVERT,
-    ("xt_macaron_resattn", "true_gpt2"): (
-        f"{_SUBLAYERS}: N = 7 adds (one a logits add), std 0.0053 where 0.0100 (N=2) is due"
     ),
     ("xt_talking_heads", "map"): (
         "new class: talking heads' logits add (`sim = sim + pre_softmax_talking_heads(sim)`, "
         "a 1x1 Conv2d over heads before the softmax) is taken for a residual add of the stream "
         f"(6 adds where 4); {_WRAPPED_NORM}; {_SUBLAYERS}"
     ),
-    ("xt_talking_heads", "convert"): _WRAPPED_CONVERT,
-    ("xt_talking_heads", "true_gpt2"): (
-        f"{_SUBLAYERS}, and the 2 logits adds count: N = 6 adds, std 0.0058 where 0.0100 (N=2) "
-        "is due"
-    ),
     ("xt_softclamp", "map"): (
         "issue 25 class 7: soft-capping (`(sim / 30).tanh() * 30`) between q.k^T and the "
         f"softmax hides both attention modules; {_WRAPPED_NORM}; {_SUBLAYERS}"
     ),
-    ("xt_softclamp", "convert"): _WRAPPED_CONVERT,
-    ("xt_softclamp", "true_gpt2"): (
-        f"{_SUBLAYERS}: N = 4 adds, std 0.0071 where 0.0100 (N=2) is due"
-    ),
     ("xt_softclamp", "diagnose"): (
         "issue 25 class 7: no attention module is found, the attention-logits check reads n/a"
     ),
-    ("pcv_pyramidnet_cifar", "map"): (
-        "issue 25 class 8: the zero-padded skip (`F.pad(identity, ...)`) hides all 6 adds, "
-        "every norm `other`, the stages `no-residual`"
-    ),
-    ("pcv_pyramidnet_cifar", "gpt2"): "issue 25 class 8: no residual add, reinit refuses",
     ("pcv_preresnet_cifar", "map"): (
         "new class: the BN+ReLU feeding both the branch and the projection shortcut "
         "(`identity_conv(x_pre_activ)`) of stage2.unit1 and stage3.unit1 is `other`, not `pre`"
-    ),
-    ("diffusers_dit", "map"): (
-        "issue 25 class 6: gate_mlp, computed by norm1.linear before the first add, is not "
-        "found as the gate of the feed-forward add"
     ),
 }
