@@ -209,7 +209,10 @@ def build_parallel_vit() -> _Built:
 # vit-pytorch ViT with KEEL post-LN (vit_pytorch/vit_with_keel_post_ln.py), dim 32, depth 3:
 # - Transformer L88-93 `self.layers.extend([Attention, FeedForward])`: one flat ModuleList of
 #   alternating sublayers, no container per block (class 2); L99 `post_norms = ModuleList(2 x
-#   depth - 1 nn.LayerNorm)`, a list of norms, no stack (class 3). L104-117: `x = out + residual`
+#   depth - 1 nn.LayerNorm)`, one norm after each add but the first, each at its own depth of
+#   the stream: a stack of norms, as a list of per-layer norms zipped with a list of layers is
+#   (5, post-ln; unlike one sublayer's pre and post norms kept in a list, class 3, which stand
+#   at one depth). L104-117: `x = out + residual`
 #   for the first sublayer, then `x = post_norm(out + residual * residual_scale)` with the
 #   constant L97 `keel_residual_scale = 2 x depth` = 6 on the skip: 6 adds by `transformer`.
 # - Norms (nn.LayerNorm): Attention L44 `norm`, FeedForward L27 `net.0` -> pre (6);
@@ -228,7 +231,7 @@ def build_keel_vit() -> _Built:
     exp = Expected(
         norms={"layernorm": 13},
         roles={"pre": 6, "post": 5, "other": 2},
-        stacks={b: (3, "mixed")},
+        stacks={b: (3, "mixed"), "transformer.post_norms": (5, "post-ln")},
         adds_per_stack={b: 6},
         residual_adds=6,
         attention=3,
@@ -807,14 +810,6 @@ XFAIL: dict[tuple[str, str], str] = {
         "issue 25 class 11: the Residual runs inside each MaxViT block (layers.0[2..7], "
         "layers.2[2..7]) and layers.1 (MBConvResidual/Residual) become stacks holding all 13 "
         "adds, `layers` holds none; the stem's two convs are a 'no-residual' stack"
-    ),
-    ("vitpt_keel_vit", "map"): (
-        "issue 25 class 2 (a flat list of alternating Attention/FeedForward: 6 one-sublayer "
-        "blocks, not 3 pairs) and class 3 (the `post_norms` list is a 5-block post-ln stack, "
-        "its last norm `other`, not `post`)"
-    ),
-    ("vitpt_keel_vit", "true_gpt2"): (
-        "issue 25 class 2: N=6, writers std 0.0058 where 0.0082 (N=3) is due"
     ),
     ("xt_macaron_resattn", "map"): (
         "new class: residual attention (`sim = sim + prev_attn`, logits carried from one "

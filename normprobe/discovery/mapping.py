@@ -35,6 +35,7 @@ from .stacks import (
     FoundStack,
     common_path,
     executed_stacks,
+    grouped_sublayers,
     skipped_blocks,
     stream_runs,
     structural_stacks,
@@ -229,7 +230,11 @@ class _Builder:
             found = executed_stacks(
                 structural_stacks(self.model), g, self._holds_add, sums, self._sublayers
             )
-            stacks = self._with_unpacked(self._without_lone_sublayers(found))
+            found = [
+                grouped_sublayers(s, self.model, [self._adds_in_block(b) for b in s.blocks])
+                for s in self._without_lone_sublayers(found)
+            ]
+            stacks = self._with_unpacked(found)
         else:  # without a forward only the module tree shows: containers of one class
             stacks = [s for s in structural_stacks(self.model) if s.generic]
         self.stacks = stacks
@@ -461,6 +466,10 @@ class _Builder:
             if inside and g.alias[a.stream] in inputs:
                 return True
         return False
+
+    def _adds_in_block(self, block: str) -> int:
+        """How many residual adds ``block`` performs or holds every writer of."""
+        return sum(self._add_within(a, block) for a in self.adds)
 
     def _add_within(self, a: FoundAdd, block: str) -> bool:
         """Whether ``block`` performs add ``a`` or holds every one of its writers."""

@@ -289,6 +289,25 @@ def unpacked_stacks(
     return found
 
 
+def grouped_sublayers(stack: FoundStack, model: nn.Module, adds: list[int]) -> FoundStack:
+    """A called stack of several classes whose blocks each make one residual add (``adds``:
+    how many each holds) grouped into the repeating unit of their structure: KEEL's list of
+    alternating attention and feed-forward layers is a stack of (attention, feed-forward)
+    pairs, as x-transformers' unpacked list is. Blocks of whole layers (Jamba's Mamba and
+    attention layers, two adds each) stay as they are."""
+    if not stack.mixed or stack.members or any(n != 1 for n in adds):
+        return stack
+    modules = dict(model.named_modules())
+    units = _units([modules[b] for b in stack.blocks])
+    if units == 1 or len(stack.blocks) // units < 2:
+        return stack
+    groups = [stack.blocks[k : k + units] for k in range(0, len(stack.blocks), units)]
+    block_type = "+".join(type(modules[b]).__name__ for b in groups[0])
+    return dataclasses.replace(
+        stack, blocks=[u[0] for u in groups], block_type=block_type, members=groups
+    )
+
+
 def _entries(
     homes: list[str | None], modules: dict[str, nn.Module]
 ) -> tuple[str, list[str]] | None:
