@@ -19,7 +19,8 @@ Issue 25's classes add: sublayers the root unpacks from nested lists or zips fro
 lists, norms wrapping a parameter-free norm, branches zero at init, a learned gain on the
 skip, adaLN gates computed before the first add, elementwise ops between q·kᵀ and the
 softmax, a weightless pool branch, and (in `ResNet`) zero-padded downsampling shortcuts. Each
-is drawn only once its class is in `CLASSES_FIXED`; `test_issue25_class` builds each one.
+is drawn (in `test_generated_model_issue25`) only once its class is in `CLASSES_FIXED`;
+`test_issue25_class` builds each one.
 """
 
 from __future__ import annotations
@@ -107,8 +108,9 @@ NORMS: dict[str, tuple[type[nn.Module], str]] = {
     "wrapped-rmsnorm": (WrappedRMSNorm, "rmsnorm"),  # class "wrap"
 }
 
-# The classes of issue 25 whose discovery is fixed: the strategy draws only these. Each name is
-# an option of `Spec` (or of `ConvSpec`) with a deterministic test of its own below.
+# The classes of issue 25 whose discovery is fixed: `test_generated_model_issue25` draws only
+# these, and their cases in `test_issue25_class` stop being expected failures. Each name is an
+# option of `Spec` (or of `ConvSpec`).
 #   stream: blocks the parent unpacks (`Spec.layout`: pairs, duo, lists)
 #   wrap: a norm wrapping a parameter-free norm (`Spec.norm`: wrapped-*)
 #   zero: branches that are zero at init (`Spec.zero`: scale, proj, ada)
@@ -623,7 +625,8 @@ class Net(nn.Module):
 
 
 @st.composite
-def specs(draw: st.DrawFn) -> Spec:
+def specs(draw: st.DrawFn, classes: frozenset[str] = frozenset()) -> Spec:
+    """A model as today's suite draws it, with the options of issue-25 ``classes`` mixed in."""
     # one model in eight is deep (up to 64 blocks); the rest stay small so 200 examples are quick
     deep = draw(st.integers(0, 7)) == 0
     if draw(st.booleans()):
@@ -637,7 +640,7 @@ def specs(draw: st.DrawFn) -> Spec:
     scale = draw(st.sampled_from(["none", "none", "c", "11c", "c11"]))
     mlps = ["plain", "conv"] if parallel else ["plain", "plain", "gated", "moe", "fused", "conv"]
     container = draw(st.sampled_from(["list", "list", "plain", "seq", "repeat"]))
-    norms = [n for n in NORMS if "wrap" in CLASSES_FIXED or not n.startswith("wrapped")]
+    norms = [n for n in NORMS if "wrap" in classes or not n.startswith("wrapped")]
     spec = Spec(
         width=draw(st.sampled_from([8, 16])),
         stages=stages,
@@ -663,13 +666,13 @@ def specs(draw: st.DrawFn) -> Spec:
         arg2=not parallel and container != "seq" and draw(st.integers(0, 3)) == 0,
         hooked=draw(st.integers(0, 3)) == 0,
     )
-    for classes, option in ISSUE25_OPTIONS:  # nothing is drawn for a class not enabled
-        if CLASSES_FIXED & classes and draw(st.integers(0, 5)) == 0:
-            spec = option(draw, spec)
+    for enabling, option in ISSUE25_OPTIONS:  # nothing is drawn for a class not given
+        if enabling & classes and draw(st.integers(0, 2)) == 0:
+            spec = option(draw, spec, classes)
     return spec
 
 
-def _unpack(draw: st.DrawFn, spec: Spec) -> Spec:
+def _unpack(draw: st.DrawFn, spec: Spec, classes: frozenset[str]) -> Spec:
     """A flat serial stack the root unpacks (pairs and triples keep the drawn branches)."""
     layout = draw(st.sampled_from(["pairs", "triples", "duo", "lists"]))
     normed = layout in ("pairs", "triples")  # a norm in every pair
@@ -690,13 +693,13 @@ def _unpack(draw: st.DrawFn, spec: Spec) -> Spec:
     )
 
 
-def _pool(draw: st.DrawFn, spec: Spec) -> Spec:
+def _pool(draw: st.DrawFn, spec: Spec, classes: frozenset[str]) -> Spec:
     if spec.layout != "block" or spec.ada:
         return spec
     return replace(spec, branches=("pool", "mlp"), mix="serial", residual=True)
 
 
-def _ada(draw: st.DrawFn, spec: Spec) -> Spec:
+def _ada(draw: st.DrawFn, spec: Spec, classes: frozenset[str]) -> Spec:
     if spec.layout != "block" or "pool" in spec.branches:
         return spec
     return replace(
@@ -712,7 +715,7 @@ def _ada(draw: st.DrawFn, spec: Spec) -> Spec:
     )
 
 
-def _skip_gain(draw: st.DrawFn, spec: Spec) -> Spec:
+def _skip_gain(draw: st.DrawFn, spec: Spec, classes: frozenset[str]) -> Spec:
     if spec.layout != "block":
         return spec
     placement = "pre" if spec.placement == "post" else spec.placement  # no DeepNorm question
@@ -720,14 +723,14 @@ def _skip_gain(draw: st.DrawFn, spec: Spec) -> Spec:
     return replace(spec, skip_gain=True, residual=True, mix=mix, placement=placement)
 
 
-def _zero(draw: st.DrawFn, spec: Spec) -> Spec:
+def _zero(draw: st.DrawFn, spec: Spec, classes: frozenset[str]) -> Spec:
     kinds = ["proj"] + (["scale"] if spec.scale != "none" else []) + (["ada"] if spec.ada else [])
     return replace(spec, zero=draw(st.sampled_from(kinds)), residual=True)
 
 
-def _logits(draw: st.DrawFn, spec: Spec) -> Spec:
-    kinds = ["eager", "softcap", "bias"] if "eager_logits" in CLASSES_FIXED else []
-    kinds += ["nan_to_num", "clamp"] if "logits" in CLASSES_FIXED else []
+def _logits(draw: st.DrawFn, spec: Spec, classes: frozenset[str]) -> Spec:
+    kinds = ["eager", "softcap", "bias"] if "eager_logits" in classes else []
+    kinds += ["nan_to_num", "clamp"] if "logits" in classes else []
     return replace(spec, logits=draw(st.sampled_from(kinds)))
 
 
@@ -1322,6 +1325,24 @@ CLASS_CASES = {
         _case("pool", branches=("pool", "mlp"), qk="none", scale="c", placement="sandwich"),
     ],
 }
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    spec=specs(frozenset(CLASSES_FIXED)),
+    targets=st.lists(st.sampled_from(TARGETS), min_size=2, max_size=2, unique=True),
+    scheme=st.sampled_from(SCHEMES),
+    fault=st.integers(0, 3).map(lambda k: k == 0),
+)
+def test_generated_model_issue25(spec: Spec, targets: list[str], scheme: str, fault: bool) -> None:
+    """The options of the enabled classes mixed into drawn models (`test_generated_model` draws
+    today's models, its examples and time unchanged)."""
+    _exercise(spec, targets, scheme, fault)
 
 
 @pytest.mark.parametrize("spec", [case for cases in CLASS_CASES.values() for case in cases])
