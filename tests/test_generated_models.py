@@ -63,6 +63,7 @@ N_OUT = 4
 EXPERTS = 2
 STD = 0.02  # gpt2's default
 NO_WRITER = "has no weight layer writing into the stream"
+LEARNED_SKIP = "is multiplied by the learned gain"
 
 
 class Levelizer(nn.Module):
@@ -718,9 +719,8 @@ def _ada(draw: st.DrawFn, spec: Spec, classes: frozenset[str]) -> Spec:
 def _skip_gain(draw: st.DrawFn, spec: Spec, classes: frozenset[str]) -> Spec:
     if spec.layout != "block":
         return spec
-    placement = "pre" if spec.placement == "post" else spec.placement  # no DeepNorm question
     mix = "serial" if spec.parallel else spec.mix
-    return replace(spec, skip_gain=True, residual=True, mix=mix, placement=placement)
+    return replace(spec, skip_gain=True, residual=True, mix=mix)
 
 
 def _zero(draw: st.DrawFn, spec: Spec, classes: frozenset[str]) -> Spec:
@@ -1093,6 +1093,8 @@ def _expect_reinit(spec: Spec, scheme: str) -> str | None:
         return None
     if not spec.residual:
         return NO_ADDS
+    if scheme == "deepnorm" and spec.skip_gain:
+        return LEARNED_SKIP  # its alpha would replace or join the learned gain
     if scheme == "deepnorm" and spec.placement != "post":
         return NOT_POST_LN
     if "pool" in spec.branches and scheme in ("fixup", "zero_branch", "deepnorm"):
