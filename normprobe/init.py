@@ -1049,10 +1049,11 @@ def deepnorm_encoder_decoder_constants(
     alphas and decoder beta, but its encoder divides the scaled weights by
     ``(N^4 M)^(1/16) / 1.15``, which is ``beta_enc = 1.15 (N^4 M)^(-1/16)`` (1/0.87, not the
     paper's 0.87). It also multiplies beta into PyTorch's default ``nn.Linear`` init (std
-    1/sqrt(3 fan_in); its attention's Xavier ``reset_parameters`` is not called) on every
-    parameter named ``fc1``, ``fc2``, ``v_proj`` or ``out_proj``, biases included, where the
-    paper (and normprobe) draw Xavier-normal with gain beta on the value, output and feed-forward
-    projections, gain 1 on queries and keys, and zero the biases.
+    1/sqrt(3 fan_in); its attention's Xavier ``reset_parameters`` is not called; N(0, 0.02) with
+    ``bert_init=True``) on every parameter named ``fc1``, ``fc2``, ``v_proj`` or ``out_proj``,
+    biases included, and leaves queries and keys at that init, where the paper (and normprobe)
+    draw Xavier-normal with gain beta on the value, output and feed-forward projections, gain 1
+    on queries and keys, and zero the biases.
 
     Args:
         encoder_layers: N, the encoder's blocks.
@@ -1250,8 +1251,25 @@ def _scheme_deepnorm(t: _Target, *, n_layers: Any, alpha: Any, beta: Any) -> Non
                         nn.init.xavier_normal_(out_in_view(layer, p), gain=1.0)  # query, key
                     else:
                         nn.init.xavier_normal_(out_in_view(layer, p), gain=beta_i)
+            _xavier_mha_inputs(t, layers, beta_i)
             scalers += [(end, a.skip_scale / alpha_i) for end in ends.get(i, [])]
     _set_fixed_scalers(t, scalers, "deepnorm")
+
+
+def _xavier_mha_inputs(t: _Target, layers: list[str], beta: float) -> None:
+    """torch's ``nn.MultiheadAttention`` applies its q, k, v projections as parameters of its
+    own (the map lists its ``out_proj``): q and k Xavier gain 1, v gain beta, their bias 0."""
+    for path in sorted({p.rpartition(".")[0] for p in layers if p.endswith(".out_proj")}):
+        mha = t.module(path)
+        if not isinstance(mha, nn.MultiheadAttention):
+            continue
+        for name, p in t.applied.of(mha):
+            if name == "in_proj_weight":
+                _xavier_slices(mha, p, [2], beta)
+            elif name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                nn.init.xavier_normal_(p, gain=beta if name.startswith("v") else 1.0)
+            elif name == "in_proj_bias":
+                p.zero_()
 
 
 def _xavier_slices(layer: nn.Module, p: torch.Tensor, value_parts: list[int], beta: float) -> None:

@@ -406,6 +406,27 @@ def test_deepnorm_uses_the_encoder_decoder_formulas_on_an_encoder_decoder(tgt_le
         assert_std(layer.weight, _xavier(layer, gain))
 
 
+def test_deepnorm_on_torchs_post_ln_transformer() -> None:
+    # nn.Transformer (norm_first=False): 3 encoder and 2 decoder layers, each attention an
+    # nn.MultiheadAttention with one in_proj_weight for q|k|v
+    torch.manual_seed(0)
+    model = nn.Transformer(D, 4, 3, 2, 2 * D, dropout=0.0, batch_first=True)
+    src, tgt = torch.randn(2, 9, D), torch.randn(2, 5, D)
+    _deepnorm(model, src, tgt)
+    a_enc, b_enc = 0.81 * 162 ** (1 / 16), 0.87 * 162 ** (-1 / 16)  # N^4 M = 3^4 * 2
+    a_dec, b_dec = 6**0.25, 24**-0.25
+    enc, dec = model.encoder.layers[0], model.decoder.layers[0]
+    assert _alpha(enc, "linear2") == pytest.approx(a_enc, rel=1e-6)
+    assert _alpha(dec, "multihead_attn.out_proj") == pytest.approx(a_dec, rel=1e-6)
+    for attention, beta in [(enc.self_attn, b_enc), (dec.multihead_attn, b_dec)]:
+        q, k, v = attention.in_proj_weight.chunk(3)
+        std = math.sqrt(2 / (2 * D))
+        assert_std(q, std)
+        assert_std(k, std)
+        assert_std(v, beta * std)
+        assert not attention.in_proj_bias.any()
+
+
 def test_deepnorm_keeps_the_single_stack_formulas_on_one_stack_and_on_stages() -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, 32, (2, 9))
