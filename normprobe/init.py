@@ -13,6 +13,7 @@ import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast, get_args
 
 import torch
@@ -34,6 +35,7 @@ from .discovery.doubts import DEPTH_DOUBTS, refusal
 from .discovery.mapping import read_only
 from .discovery.model_map import Action
 from .discovery.state import preserved
+from .discovery.trace import first_float, iter_tensors, replace_at
 
 Scheme = Literal["gpt2", "fixup", "deepnorm", "kaiming", "xavier", "zero_branch"]
 BranchScaleKind = Literal["rezero", "layerscale", "skipinit"]
@@ -252,33 +254,50 @@ class BranchScale(_Wrapper):
 
 
 class FixupScalars(_Wrapper):
-    """``inner(x + bias_in) (* scale) + bias_out``: Fixup's scalar biases and multiplier.
+    """``inner(x + bias_in) * scale + bias_out``: Fixup's scalar biases and multiplier.
 
-    ``scale`` exists only on a branch's writers (``last=True``).
+    Every part is optional (None where absent). A branch layer has both biases and its
+    branch's writers (``last=True``) the multiplier too; the stem has ``bias_out`` only (the bias
+    before the activation after it), the classifier ``bias_in`` only. A projection shortcut is
+    fed the same shifted input as its branch: its ``bias_in`` is the branch's first layer's
+    (``shared_in``, the same Parameter under both names).
     """
 
-    def __init__(self, inner: nn.Module, last: bool) -> None:
+    def __init__(
+        self,
+        inner: nn.Module,
+        last: bool = False,
+        *,
+        bias_in: bool = True,
+        bias_out: bool = True,
+        shared_in: nn.Parameter | None = None,
+    ) -> None:
         super().__init__()
         like = next(inner.parameters())
-        self.bias_in = nn.Parameter(torch.zeros((), dtype=like.dtype, device=like.device))
-        self.bias_out = nn.Parameter(torch.zeros((), dtype=like.dtype, device=like.device))
-        self.scale = (
-            nn.Parameter(torch.ones((), dtype=like.dtype, device=like.device)) if last else None
-        )
+
+        def scalar(value: float) -> nn.Parameter:
+            return nn.Parameter(torch.full((), value, dtype=like.dtype, device=like.device))
+
+        self.bias_in = shared_in if shared_in is not None else scalar(0.0) if bias_in else None
+        self.bias_out = scalar(0.0) if bias_out else None
+        self.scale = scalar(1.0) if last else None
         self.inner = inner
 
     def reset(self) -> None:
         with torch.no_grad():
-            self.bias_in.zero_()
-            self.bias_out.zero_()
+            for bias in (self.bias_in, self.bias_out):
+                if bias is not None:
+                    bias.zero_()
             if self.scale is not None:
                 self.scale.fill_(1.0)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = self.inner(x + self.bias_in, *args, **kwargs)
+        if self.bias_in is not None:
+            x = x + self.bias_in
+        out = self.inner(x, *args, **kwargs)
         if self.scale is not None:
             out = out * self.scale
-        return out + self.bias_out
+        return out if self.bias_out is None else out + self.bias_out
 
 
 def branch_scales(model: nn.Module) -> dict[str, BranchScale]:
@@ -701,11 +720,17 @@ def reinit(
       parallel block, every expert's down projection) N(0, std/sqrt(2N)), N the blocks of its
       stack, or the runs of a repeated block (or ``n_layers``); biases 0; norm gains 1 and
       biases 0 (a norm of unknown kind is left as it is).
-    * ``fixup`` (``mode="fan_out"``): Zhang et al. 2019. L residual branches, m weight layers on
-      a branch: its writers (the last layer on each path) 0, the others He-normal times
-      L^(-1/(2m-2)); projection shortcuts plain He; the head 0 (unless tied to another
-      weight). Wraps every branch layer in `FixupScalars` (scalar biases at 0, a multiplier at
-      1 on each writer): a new optimizer is needed to train those.
+    * ``fixup`` (``mode="fan_out"``, ``allow_norms=False``): Zhang et al. 2019, as the
+      authors' ResNets do it. L residual branches, m weight layers on a branch: its writers (the
+      last layer on each path) 0, the others He-normal times L^(-1/(2m-2)); projection shortcuts
+      plain He; the head 0 (unless tied to another weight). `FixupScalars` (biases at 0,
+      multipliers at 1) add a scalar bias before and after every branch layer and a multiplier on
+      each writer, a bias after the stem (the weight layers that run before any branch, but
+      embeddings) and before the head, and feed each projection shortcut the input shifted by
+      its branch's first bias (one Parameter). A new optimizer is needed to train them (the
+      authors train the scalars at a tenth of the learning rate). Fixup is for networks without
+      normalization: a model with norm layers is refused unless ``allow_norms=True``
+      (``normprobe.convert_norms(model, "identity")`` removes them).
     * ``deepnorm`` (``n_layers=None``, ``alpha=None``, ``beta=None``): Wang et al. 2022, for
       Post-LN stacks. Feed-forward layers, value projections (the value slice of a fused QKV
       layer) and output projections Xavier-normal with gain beta = (8N)^(-1/4), queries and keys
@@ -713,6 +738,14 @@ def reinit(
       `BranchScale` on each branch, since the LayerNorm after the add is scale-invariant (up to
       its eps). A skip already scaled by ``s`` gets ``s/alpha``; one multiplied by a learned
       gain (a map's ``skip_gain``) is refused (``gpt2`` and ``fixup`` take it when it is 1).
+      An encoder-decoder gets the paper's encoder-decoder constants
+      (`deepnorm_encoder_decoder_constants`): a stack is the decoder of an earlier one when its
+      first block takes that stack's output as an input of its own (the memory of
+      cross-attention) while its stream does not derive from it (told by perturbing the earlier
+      stack's output in one more forward). Where that leaves the
+      formulas unclear (more than two stacks, or adds outside any, with such a reader), it
+      refuses; ``n_layers=`` (the single-stack formulas with that N everywhere) or ``alpha=``
+      and ``beta=`` decide instead.
     * ``kaiming`` (``mode="fan_in"``, ``nonlinearity="relu"``, ``a=0.0``,
       ``distribution="normal"``) and ``xavier`` (``gain=None``, ``nonlinearity="linear"``,
       ``distribution="normal"``): every weight layer except embeddings; biases 0; norms reset.
@@ -881,70 +914,153 @@ def _scheme_zero_branch(t: _Target) -> None:
             _zero(t, t.module(path))
 
 
-def _scheme_fixup(t: _Target, *, mode: Any) -> None:
-    mode = _choice("mode", mode, ("fan_in", "fan_out"))
+def _scheme_fixup(t: _Target, *, mode: Any, allow_norms: Any) -> None:
+    fan = cast(_Fan, _choice("mode", mode, ("fan_in", "fan_out")))
+    if not isinstance(allow_norms, bool):
+        raise ValueError(f"allow_norms must be True or False, got {allow_norms!r}")
     adds = t.adds()
-    model = t.model
-    n_branches = len(adds)
-    on_branches: set[str] = set()
-    plan: list[tuple[str, bool]] = []  # (layer path, last on its branch)
     _skip_gains(t, adds, unit_ok=True)
     for a in adds:  # every refusal before any change
         _placeable(t, a)
+    if not allow_norms:
+        _refuse_norms(t)
+    t.require_inputs("find the stem and the first layer of each projection shortcut")
+    order = t.call_order({p for p, _ in t.weight_layers(embeddings=False)})
+    parts: dict[str, _FixupPart] = {}
     with torch.no_grad():
         for a in adds:
-            layers = [p for p in a.branch_layers if not isinstance(t.module(p), nn.Embedding)]
-            on_branches.update(layers)
-            m = len(layers)
-            for path in layers:
-                layer = t.module(path)
-                last = path in a.writers  # the last layer on each path of the branch
-                plan.append((path, last))
-                for _, p in t.applied.of(layer):
-                    if last or p.ndim < 2:
-                        p.zero_()
-                    else:
-                        nn.init.kaiming_normal_(
-                            out_in_view(layer, p), mode=mode, nonlinearity="relu"
-                        )
-                        p.mul_(n_branches ** (-1.0 / (2 * m - 2)))
+            _fixup_branch(t, a, len(adds), fan, parts)
         for a in adds:
-            if a.kind != "projection":
-                continue
-            prefix = a.module + "." if a.module else ""
-            for path, layer in t.weight_layers(embeddings=False):
-                if path.startswith(prefix) and path not in on_branches:
-                    for _, p in t.applied.of(layer):
-                        if p.ndim >= 2:
-                            nn.init.kaiming_normal_(
-                                out_in_view(layer, p), mode=mode, nonlinearity="relu"
-                            )
-                        else:
-                            p.zero_()
+            _fixup_shortcut(t, a, fan, order, parts)
         head = t.map.head
-        if head is not None:
-            tied = _tied_elsewhere(model, head)
-            if tied:
-                warnings.warn(
-                    f"fixup leaves the head {head!r} as it is: its weight is shared with "
-                    f"{tied!r}, and zeroing it would zero that too",
-                    UserWarning,
-                    stacklevel=3,
-                )
+        if head is not None and _fixup_head(t, head):
+            parts[head] = _FixupPart(bias_out=False)  # fc(x + bias)
+    for path in _stem(t, order, parts):
+        parts[path] = _FixupPart(bias_in=False)  # act(stem(x) + bias)
+    _wrap_fixup(t, parts)
+
+
+_Fan = Literal["fan_in", "fan_out"]
+
+
+@dataclass(frozen=True)
+class _FixupPart:
+    """Which of `FixupScalars`' parts one layer gets; ``shares_in``: the layer whose
+    ``bias_in`` it reads too (a projection shortcut reads its branch's first layer's)."""
+
+    last: bool = False
+    bias_in: bool = True
+    bias_out: bool = True
+    shares_in: str | None = None
+
+
+def _refuse_norms(t: _Target) -> None:
+    norms = t.map.norms
+    if norms:
+        first = norms[0]
+        raise ValueError(
+            f"{t.what}: Fixup (Zhang et al. 2019) trains residual networks without "
+            f"normalization, but {type(t.model).__name__} has {len(norms)} norm layers (the "
+            f"first: {first.kind} at {first.path!r}); remove them first with "
+            "model = normprobe.convert_norms(model, 'identity'), or pass allow_norms=True to "
+            "re-initialize around them"
+        )
+
+
+def _fixup_branch(
+    t: _Target, a: ResidualAdd, n_branches: int, mode: _Fan, parts: dict[str, _FixupPart]
+) -> None:
+    """Writers 0, the other layers He times L^(-1/(2m-2)); every layer gets both biases."""
+    layers = [p for p in a.branch_layers if not isinstance(t.module(p), nn.Embedding)]
+    for path in layers:
+        layer = t.module(path)
+        last = path in a.writers  # the last layer on each path of the branch
+        parts[path] = _FixupPart(last=last)
+        for _, p in t.applied.of(layer):
+            if last or p.ndim < 2:
+                p.zero_()
             else:
-                _zero(t, t.module(head))
-    # collect first, then swap: the scalars wrap each branch layer
+                nn.init.kaiming_normal_(out_in_view(layer, p), mode=mode, nonlinearity="relu")
+                p.mul_(n_branches ** (-1.0 / (2 * len(layers) - 2)))
+
+
+def _fixup_shortcut(
+    t: _Target, a: ResidualAdd, mode: _Fan, order: list[str], parts: dict[str, _FixupPart]
+) -> None:
+    """A projection shortcut's layers plain He; the first to run reads the input shifted by
+    the bias before the branch's first layer, as the branch does."""
+    if a.kind != "projection":
+        return
+    prefix = a.module + "." if a.module else ""
+    shortcut = [
+        path
+        for path, _ in t.weight_layers(embeddings=False)
+        if path.startswith(prefix) and path not in parts
+    ]
+    for path in shortcut:
+        layer = t.module(path)
+        for _, p in t.applied.of(layer):
+            if p.ndim >= 2:
+                nn.init.kaiming_normal_(out_in_view(layer, p), mode=mode, nonlinearity="relu")
+            else:
+                p.zero_()
+    branch = [p for p in a.branch_layers if p in parts]
+    first = min((p for p in shortcut if p in order), key=order.index, default=None)
+    if first is not None and branch:
+        parts[first] = _FixupPart(bias_in=False, bias_out=False, shares_in=branch[0])
+
+
+def _fixup_head(t: _Target, head: str) -> bool:
+    """Zero the classifier; False (with a warning) where its weight is tied to another."""
+    tied = _tied_elsewhere(t.model, head)
+    if tied:
+        warnings.warn(
+            f"fixup leaves the head {head!r} as it is: its weight is shared with "
+            f"{tied!r}, and zeroing it would zero that too",
+            UserWarning,
+            stacklevel=4,
+        )
+        return False
+    _zero(t, t.module(head))
+    return True
+
+
+def _stem(t: _Target, order: list[str], parts: dict[str, _FixupPart]) -> list[str]:
+    """The weight layers that run before any residual branch or shortcut: the stem (an
+    embedding table, which holds an offset per entry already, excepted)."""
+    stem: list[str] = []
+    for path in order:
+        if path in parts:
+            break
+        if path not in stem:
+            stem.append(path)
+    return stem
+
+
+def _wrap_fixup(t: _Target, parts: dict[str, _FixupPart]) -> None:
+    """Wrap each layer in its `FixupScalars`, or reset the one a previous run put there."""
+    wrappers: dict[str, FixupScalars] = {}
     swaps = []
-    for path, last in plan:
-        wrapper = _parent_wrapper(model, path)
+    # a shortcut's wrapper takes its branch's bias_in, so the branches' come first
+    for path, part in sorted(parts.items(), key=lambda item: item[1].shares_in is not None):
+        wrapper = _parent_wrapper(t.model, path)
         if isinstance(wrapper, FixupScalars):
             wrapper.reset()  # fixup ran before: keep the scalars, reset them
         else:
-            swaps.append((path, FixupScalars(t.module(path), last)))
+            shared = wrappers[part.shares_in].bias_in if part.shares_in else None
+            wrapper = FixupScalars(
+                t.module(path),
+                part.last,
+                bias_in=part.bias_in,
+                bias_out=part.bias_out,
+                shared_in=shared,
+            )
+            swaps.append((path, wrapper))
+        wrappers[path] = wrapper
     # inner layers first: a layer applying weights of its own around a child weight layer
     # (fused experts around their router) is wrapped with the child's wrapper inside it
     for path, new in sorted(swaps, key=lambda swap: -swap[0].count(".")):
-        _replace(model, path, new)
+        _replace(t.model, path, new)
 
 
 def _tied_elsewhere(model: nn.Module, path: str) -> str | None:
@@ -962,7 +1078,8 @@ def deepnorm_constants(n_layers: int) -> tuple[float, float]:
         n_layers: N, the number of blocks (each with an attention and a feed-forward branch).
 
     Returns:
-        ``(alpha, beta) = ((2N)^(1/4), (8N)^(-1/4))``.
+        ``(alpha, beta) = ((2N)^(1/4), (8N)^(-1/4))``, as the paper and Microsoft's torchscale
+        (``Encoder``/``Decoder`` without ``is_encoder_decoder``) compute them.
 
     Raises:
         ValueError: ``n_layers`` is not a positive integer.
@@ -975,6 +1092,178 @@ def deepnorm_constants(n_layers: int) -> tuple[float, float]:
     if n is None:
         raise ValueError("n_layers must be a positive integer (number of blocks), got None")
     return (2 * n) ** 0.25, (8 * n) ** -0.25
+
+
+def deepnorm_encoder_decoder_constants(
+    encoder_layers: int, decoder_layers: int
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """DeepNorm's constants for an encoder-decoder (Wang et al. 2022, Sec. 4).
+
+    With N encoder and M decoder blocks: ``alpha_enc = 0.81 (N^4 M)^(1/16)``,
+    ``beta_enc = 0.87 (N^4 M)^(-1/16)``, ``alpha_dec = (3M)^(1/4)``, ``beta_dec = (12M)^(-1/4)``.
+
+    Microsoft's torchscale (0.3.0, ``architecture/encoder.py`` and ``decoder.py``) has the same
+    alphas and decoder beta, but its encoder divides the scaled weights by
+    ``(N^4 M)^(1/16) / 1.15``, which is ``beta_enc = 1.15 (N^4 M)^(-1/16)`` (1/0.87, not the
+    paper's 0.87). It also multiplies beta into PyTorch's default ``nn.Linear`` init (std
+    1/sqrt(3 fan_in); its attention's Xavier ``reset_parameters`` is not called; N(0, 0.02) with
+    ``bert_init=True``) on every parameter named ``fc1``, ``fc2``, ``v_proj`` or ``out_proj``,
+    biases included, and leaves queries and keys at that init, where the paper (and normprobe)
+    draw Xavier-normal with gain beta on the value, output and feed-forward projections, gain 1
+    on queries and keys, and zero the biases.
+
+    Args:
+        encoder_layers: N, the encoder's blocks.
+        decoder_layers: M, the decoder's blocks.
+
+    Returns:
+        ``((alpha_enc, beta_enc), (alpha_dec, beta_dec))``.
+
+    Raises:
+        ValueError: a count that is not a positive integer.
+
+    Example::
+
+        >>> normprobe.init.deepnorm_encoder_decoder_constants(6, 6)
+        ((1.4179, 0.4970), (2.0598, 0.3433))
+    """
+    n = _count("encoder_layers", encoder_layers)
+    m = _count("decoder_layers", decoder_layers)
+    if n is None or m is None:
+        raise ValueError("encoder_layers and decoder_layers must be positive integers")
+    depth = n**4 * m
+    encoder = 0.81 * depth ** (1 / 16), 0.87 * depth ** (-1 / 16)
+    return encoder, ((3 * m) ** 0.25, (12 * m) ** -0.25)
+
+
+def _deepnorm_defaults(
+    t: _Target, adds: Sequence[ResidualAdd], n_layers: int | None, derive: bool
+) -> dict[str | None, tuple[float, float]]:
+    """DeepNorm's (alpha, beta) for the adds of each stack (None: outside any stack).
+
+    ``n_layers`` given: the single-stack formulas with that N everywhere. Otherwise a stack
+    whose first block reads an earlier stack's output through an input of its own (the memory of
+    a cross-attention) while its stream does not come from that stack is a decoder, the earlier
+    one its encoder (`_EncoderReads`); two such stacks get the encoder-decoder formulas, any other
+    stack the single-stack ones with its own depth. Refuses where it cannot tell which formulas
+    hold (``derive``: some constant is not given).
+    """
+    if n_layers is not None:
+        return {a.stack: deepnorm_constants(n_layers) for a in adds}
+    found = {a.stack: deepnorm_constants(t.depth(a)) for a in adds}
+    stacks = [s for s in dict.fromkeys(a.stack for a in adds) if s is not None]
+    if not derive or len(stacks) < 2:
+        return found
+    pairs = _EncoderReads(t).pairs(stacks)
+    if not pairs:
+        return found
+    if len(stacks) > 2 or None in found:
+        outside = [a.module for a in adds if a.stack is None][:1]
+        raise ValueError(
+            f"{t.what}: stack {pairs[0][1]!r} reads the output of {pairs[0][0]!r} as an "
+            f"encoder-decoder does, but the model has {len(stacks)} stacks"
+            + (f" and residual adds outside any ({outside[0]!r})" if outside else "")
+            + ", so it is not clear which of DeepNorm's formulas hold; pass n_layers= (the "
+            "single-stack formulas with that N everywhere) or alpha= and beta="
+        )
+    encoder, decoder = pairs[0]
+    n, m = t.map.stack(encoder).depth, t.map.stack(decoder).depth
+    found[encoder], found[decoder] = deepnorm_encoder_decoder_constants(n, m)
+    return found
+
+
+class _EncoderReads:
+    """Finds decoders by behaviour: the earlier stack's last block output is perturbed, and the
+    floating-point inputs of each later stack's first block are compared with a plain run.
+
+    A later stack reads the earlier one as a decoder reads its encoder when some input changes
+    (the encoder's output, passed to cross-attention) while an input of the stream's shape (the
+    block's own output shape) does not (the decoder's stream, which starts from its own
+    embeddings). Where every stream-shaped input changes, the later stack continues the earlier
+    one's stream (stages of one network); where none changes, the two are independent.
+    """
+
+    def __init__(self, t: _Target) -> None:
+        self.t = t
+
+    def pairs(self, stacks: list[str]) -> list[tuple[str, str]]:
+        """(encoder, decoder) stack pairs, in execution order."""
+        self.t.require_inputs("tell an encoder-decoder from other stacks")
+        firsts = {s: self.t.map.stack(s).blocks[0] for s in stacks}
+        base = self._run(firsts, None)
+        found = []
+        for i, earlier in enumerate(stacks[:-1]):
+            moved = self._run(firsts, self.t.map.stack(earlier).blocks[-1])
+            for later in stacks[i + 1 :]:
+                if self._reads_aside(base[later], moved[later]):
+                    found.append((earlier, later))
+        return found
+
+    @staticmethod
+    def _reads_aside(
+        base: tuple[list[torch.Tensor], tuple[int, ...]],
+        moved: tuple[list[torch.Tensor], tuple[int, ...]],
+    ) -> bool:
+        (before, stream), (after, _) = base, moved
+        if len(before) != len(after):
+            return False
+        changed = [not torch.equal(b, a) for b, a in zip(before, after, strict=True)]
+        kept_stream = any(b.shape == stream and not c for b, c in zip(before, changed, strict=True))
+        return any(changed) and kept_stream
+
+    def _run(
+        self, firsts: dict[str, str], perturb: str | None
+    ) -> dict[str, tuple[list[torch.Tensor], tuple[int, ...]]]:
+        """Each stack's first block's floating inputs and output shape, in one forward with
+        the output of the block at ``perturb`` (if any) shifted by noise."""
+        t = self.t
+        seen: dict[str, tuple[list[torch.Tensor], tuple[int, ...]]] = {}
+        handles = []
+
+        def read_in(stack: str) -> Any:
+            def hook(_m: nn.Module, args: Any, kwargs: Any) -> None:
+                if stack not in seen:  # its first call
+                    inputs = [x for _, x in iter_tensors((args, kwargs)) if x.is_floating_point()]
+                    seen[stack] = ([x.detach().clone() for x in inputs], ())
+
+            return hook
+
+        def read_out(stack: str) -> Any:
+            def hook(_m: nn.Module, _args: Any, out: Any) -> None:
+                found = first_float(out)
+                if not seen[stack][1] and found is not None:
+                    seen[stack] = (seen[stack][0], tuple(found.shape))
+
+            return hook
+
+        try:
+            for stack, block in firsts.items():
+                module = t.module(block)
+                handles.append(module.register_forward_pre_hook(read_in(stack), with_kwargs=True))
+                handles.append(module.register_forward_hook(read_out(stack)))
+            if perturb is not None:
+                handles.append(t.module(perturb).register_forward_hook(_shift_output))
+            with _observing(t.model):
+                t.model(*t.args, **t.kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        missing = [s for s in firsts if s not in seen]
+        if missing:
+            raise ValueError(
+                f"{t.what}: the first block of stack {missing[0]!r} did not run in the forward "
+                "with the given inputs; pass n_layers= or alpha= and beta="
+            )
+        return seen
+
+
+def _shift_output(_m: nn.Module, _args: Any, out: Any) -> Any:
+    """The module's output with noise added to its first floating-point tensor."""
+    for key, x in iter_tensors(out):
+        if x.is_floating_point():
+            noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+            return replace_at(out, key, x + noise.to(x.device, x.dtype) * (1 + x.abs().mean()))
+    return out
 
 
 def _scheme_deepnorm(t: _Target, *, n_layers: Any, alpha: Any, beta: Any) -> None:
@@ -992,13 +1281,14 @@ def _scheme_deepnorm(t: _Target, *, n_layers: Any, alpha: Any, beta: Any) -> Non
                 f"in {a.module or '<root>'!r} has no norm after it (stack {a.stack!r}, "
                 f"placement {placement!r}); use 'gpt2' or insert_branch_scale for Pre-LN models"
             )
+    defaults = _deepnorm_defaults(t, adds, n_fixed, alpha_fixed is None or beta_fixed is None)
     attention = [att.path for att in m.attention]
     values = _ValueProbe(t)
     ends = _branch_ends(t, adds)
     scalers: list[tuple[str, float]] = []
     with torch.no_grad():
         for i, a in enumerate(adds):
-            default_alpha, default_beta = deepnorm_constants(n_fixed or t.depth(a))
+            default_alpha, default_beta = defaults[a.stack]
             alpha_i = alpha_fixed or default_alpha
             beta_i = beta_fixed or default_beta
             layers = [p for p in a.branch_layers if not isinstance(t.module(p), nn.Embedding)]
@@ -1019,8 +1309,25 @@ def _scheme_deepnorm(t: _Target, *, n_layers: Any, alpha: Any, beta: Any) -> Non
                         nn.init.xavier_normal_(out_in_view(layer, p), gain=1.0)  # query, key
                     else:
                         nn.init.xavier_normal_(out_in_view(layer, p), gain=beta_i)
+            _xavier_mha_inputs(t, layers, beta_i)
             scalers += [(end, a.skip_scale / alpha_i) for end in ends.get(i, [])]
     _set_fixed_scalers(t, scalers, "deepnorm")
+
+
+def _xavier_mha_inputs(t: _Target, layers: list[str], beta: float) -> None:
+    """torch's ``nn.MultiheadAttention`` applies its q, k, v projections as parameters of its
+    own (the map lists its ``out_proj``): q and k Xavier gain 1, v gain beta, their bias 0."""
+    for path in sorted({p.rpartition(".")[0] for p in layers if p.endswith(".out_proj")}):
+        mha = t.module(path)
+        if not isinstance(mha, nn.MultiheadAttention):
+            continue
+        for name, p in t.applied.of(mha):
+            if name == "in_proj_weight":
+                _xavier_slices(mha, p, [2], beta)
+            elif name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                nn.init.xavier_normal_(p, gain=beta if name.startswith("v") else 1.0)
+            elif name == "in_proj_bias":
+                p.zero_()
 
 
 def _xavier_slices(layer: nn.Module, p: torch.Tensor, value_parts: list[int], beta: float) -> None:
@@ -1179,7 +1486,7 @@ _SCHEMES: dict[str, Any] = {
 
 _OPTIONS: dict[str, dict[str, Any]] = {
     "gpt2": {"std": 0.02, "n_layers": None},
-    "fixup": {"mode": "fan_out"},
+    "fixup": {"mode": "fan_out", "allow_norms": False},
     "deepnorm": {"n_layers": None, "alpha": None, "beta": None},
     "kaiming": {"mode": "fan_in", "nonlinearity": "relu", "a": 0.0, "distribution": "normal"},
     "xavier": {"gain": None, "nonlinearity": "linear", "distribution": "normal"},

@@ -73,6 +73,10 @@ REFUSALS: dict[tuple[str, str], tuple[type[Exception], str]] = {
     },
 }
 
+# Fixup refuses a model that normalizes unless told to keep the norms (its scalars are what
+# this suite checks on every model).
+FIXUP_AROUND_NORMS = {"fixup": {"allow_norms": True}}
+
 # Models without a norm layer: convert_norms warns and changes nothing.
 NORM_FREE = {"no_norm"}
 
@@ -220,7 +224,12 @@ def test_reinit(name: str, scheme: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # fixup's tied-head notice
             out = normprobe.reinit(
-                model, scheme, example_inputs=z.args, example_kwargs=z.kwargs, model_map=model_map
+                model,
+                scheme,
+                example_inputs=z.args,
+                example_kwargs=z.kwargs,
+                model_map=model_map,
+                **FIXUP_AROUND_NORMS.get(scheme, {}),
             )
     except Exception as err:
         assert (name, scheme) in REFUSALS, f"{name} reinit {scheme} failed: {err!r}"
