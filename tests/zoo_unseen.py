@@ -828,8 +828,4 @@ XFAIL: dict[tuple[str, str], str] = {
     ("xt_softclamp", "diagnose"): (
         "issue 25 class 7: no attention module is found, the attention-logits check reads n/a"
     ),
-    ("pcv_preresnet_cifar", "map"): (
-        "new class: the BN+ReLU feeding both the branch and the projection shortcut "
-        "(`identity_conv(x_pre_activ)`) of stage2.unit1 and stage3.unit1 is `other`, not `pre`"
-    ),
 }

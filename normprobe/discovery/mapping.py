@@ -594,18 +594,22 @@ class _Builder:
         for i, a in enumerate(adds):
             stream_of.setdefault(g.alias[a.stream], []).append(i)
         sum_of = {a.out: i for i, a in enumerate(adds)}
+        # a projection add's fork, and what it was activated from
+        forks_of: dict[int, list[int]] = {}
+        for i, a in enumerate(adds):
+            if a.kind == "projection":
+                for n in _activated_from(g, a.stream):
+                    forks_of.setdefault(n, []).append(i)
         # pre norms first: sandwich-post needs to know whether the branch has one. A pre norm
         # reads the stream an add's branch reads and feeds that branch; in front of a
-        # projection shortcut, in the add's own block, its output may be what both sides read.
+        # projection shortcut, in the add's own block, its output (or its activation) may be
+        # what both sides read.
         for path, (inp, out) in io.items():
             reading = [i for i, a in enumerate(adds) if out in a.region]
-            for i in stream_of.get(inp, []) + stream_of.get(g.alias[out], []) + reading:
+            forked = forks_of.get(g.alias[out], [])
+            for i in stream_of.get(inp, []) + forked + reading:
                 a = adds[i]
-                fork = (
-                    a.kind == "projection"
-                    and g.alias[out] == g.alias[a.stream]
-                    and self._where(path) == self._where_add(i)
-                )
+                fork = i in forked and self._where(path) == self._where_add(i)
                 # it reads the stream itself, or with other tokens joined to it (class attention)
                 reads = inp == g.alias[a.stream] or _plain_path(g, g.alias[a.stream], inp)
                 if fork or (out in a.region and reads):
@@ -660,9 +664,10 @@ class _Builder:
     def _after_sum(self, norm: str, i: int, readers: dict[int, str]) -> NormRole | None:
         """The role of a norm reading add ``i``'s sum, when nothing else reads it (else the
         stream goes on around the norm): ``post`` wherever it sits, except after
-        a stack's last add when the same add of the other blocks has no norm on its sum: then
-        it closes the stack (``final``) if it sits in no block the stack is not in, and belongs
-        to what follows (a downsample) otherwise."""
+        a stack's last add when the same add of most other blocks has no norm on its sum (one
+        block without, as a first sublayer left unnormalized, does not decide): then it closes
+        the stack (``final``) if it sits in no block the stack is not in, and belongs to what
+        follows (a downsample) otherwise."""
         if self._bypassed(self.adds[i].out, norm):
             return None  # the stream goes on around the norm: it does not normalize the sum
         stack, block = self.add_where[i]
@@ -680,7 +685,7 @@ class _Builder:
             same = [j for j in mine if self.add_where[j][1] == b]
             if position < len(same) and self.adds[same[position]].out in readers:
                 following += 1
-        if others and following == len(others):
+        if 2 * following > len(others):  # most blocks normalize this sum: the last one too
             return "post"
         return "final" if self._around(norm) <= self._around_stack(stack) else None
 
@@ -1084,6 +1089,18 @@ def _before_scales(g: Graph, node: int) -> list[int]:
             break
         chain.append(g.alias[inputs[0]])
     return chain
+
+
+def _activated_from(g: Graph, node: int) -> list[int]:
+    """The root (through views) of ``node`` and the roots it was computed from by weightless
+    elementwise ops of one input (activations): a norm's output there feeds ``node``."""
+    chain = [g.alias[node]]
+    while True:
+        n = chain[-1]
+        inputs = [i for i in g.inputs[n] if g.floating[i]]
+        if len(inputs) != 1 or g.weight[n] or g.uses_param[n] or g.shape[n] != g.shape[inputs[0]]:
+            return chain
+        chain.append(g.alias[inputs[0]])
 
 
 def _plain_path(g: Graph, start: int, end: int) -> bool:
