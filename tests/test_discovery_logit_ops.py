@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import normprobe
+from normprobe.runtime.modes import AttentionLogits
 
 WIDTH, HEADS, TOKENS, BLOCKS = 16, 2, 5, 2
 HEAD_DIM = WIDTH // HEADS
@@ -124,3 +125,35 @@ def test_gpt2_scales_only_the_output_projection(mix: str) -> None:
     assert attn.q.weight.std().item() == pytest.approx(0.02, rel=0.15)
     # 4 values: only a loose bound, but far from 0.01 either way is wrong
     assert mixer.detach().abs().max().item() < 0.1
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_logits_are_read_as_each_block_forms_them(mix: str) -> None:
+    """Max |q·kᵀ·scale| per head, read where the head mix, the previous logits or nothing
+    (soft-capping is part of forming them: 5·tanh(s/5)) first meets them."""
+    model, m = _discover(mix)
+    x = torch.randn(2, TOKENS, WIDTH)
+    read: dict[str, torch.Tensor] = {}
+    formed: dict[str, torch.Tensor] = {}
+
+    def hooks(path: str, heads: int) -> None:
+        module = model.get_submodule(path)
+        mode = AttentionLogits([lambda v: read.setdefault(path, v)], heads)
+
+        def pre(mod: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            q, k = mod.heads(mod.q(args[0])), mod.heads(mod.k(args[0]))
+            s = q @ k.transpose(-1, -2) * HEAD_DIM**-0.5
+            s = softclamp(s, 5.0) if mix == "softclamp" else s
+            formed[path] = s.abs().amax(dim=(0, 2, 3))
+            mode.__enter__()
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(lambda *_: mode.__exit__(None, None, None))
+
+    for a in m.attention:
+        hooks(a.path, a.heads)
+    with torch.no_grad():
+        model(x)
+    assert list(read) == [a.path for a in m.attention]
+    for path, value in read.items():
+        torch.testing.assert_close(value, formed[path])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from .model_map import AttentionImpl
@@ -170,12 +172,16 @@ def _logit_chain(g: Graph, softmax: int) -> set[int]:
 
 
 def _mixes_heads(g: Graph, n: int) -> bool:
-    """Whether weight op ``n`` maps logits (..., heads, queries, keys) to logits of the same
-    shape through weights over heads only (talking heads: an (heads, heads) matrix in an
-    einsum, a 1x1 convolution over heads)."""
     acts = g.inputs[n]
-    if len(acts) != 1 or g.shape[acts[0]] != g.shape[n] or len(g.shape[n]) < 4:
+    return len(acts) == 1 and mixes_heads(g.shape[n], g.shape[acts[0]], g.weight_shapes.get(n, ()))
+
+
+def mixes_heads(
+    out: tuple[int, ...], logits: tuple[int, ...], weights: Sequence[tuple[int, ...]]
+) -> bool:
+    """Whether a weight op maps ``logits`` (..., heads, queries, keys) to ``out`` of the same
+    shape through ``weights`` over heads only (talking heads: an (heads, heads) matrix in an
+    einsum, a 1x1 convolution over heads)."""
+    if out != logits or len(out) < 4:
         return False
-    heads = g.shape[n][-3]
-    shapes = g.weight_shapes.get(n, ())
-    return bool(shapes) and all(d in (1, heads) for shape in shapes for d in shape)
+    return bool(weights) and all(d in (1, out[-3]) for shape in weights for d in shape)
