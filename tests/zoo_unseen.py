@@ -777,55 +777,13 @@ BUILDERS: dict[str, Callable[[], _Built]] = {
     "openclip_text": build_clip_text,
 }
 
-_UNPACKED = (
-    "issue 25 class 2: blocks unpacked by their parent (`for attn, ff in self.layers`): each "
-    "pair of sublayers is reported as a 2-block stack of its own, the real stack holds no add"
-)
-_SUBLAYERS = (
-    "issue 25 class 2: one container per sublayer (ModuleList([norms, branch, Residual()])): "
-    "no stack is found, every add is outside one, the final norm reads `other`"
-)
-_WRAPPED_NORM = (
-    "issue 25 class 1: x-transformers' LayerNorm (a parameter-free nn.LayerNorm times a gain) "
-    "is listed with its inner `ln`, twice the norms"
-)
-_WRAPPED_CONVERT = (
-    "issue 25 class 1: convert_norms refuses the wrapping LayerNorm as 'a fused norm and "
-    "activation' (it runs its inner `ln`)"
-)
-
 # (model, check) -> why it fails today (strict xfail: the day it passes, remove the entry).
 # Checks: "map", "gpt2" (every writer of the discovered map), "true_gpt2" (every writer of the
 # source's map, or a refusal), "convert", "probe", "diagnose" (test_real_architectures.py).
 XFAIL: dict[tuple[str, str], str] = {
-    ("vitpt_cait", "map"): (
-        f"{_UNPACKED}; and new class: talking heads (an einsum with a (heads, heads) parameter) "
-        "between q.k^T and the softmax hides all 5 attention modules"
-    ),
-    ("vitpt_cait", "diagnose"): (
-        "new class (talking heads between q.k^T and the softmax): no attention module is "
-        "found, so the attention-logits check reads n/a"
-    ),
     ("vitpt_maxvit", "map"): (
         "issue 25 class 11: the Residual runs inside each MaxViT block (layers.0[2..7], "
         "layers.2[2..7]) and layers.1 (MBConvResidual/Residual) become stacks holding all 13 "
         "adds, `layers` holds none; the stem's two convs are a 'no-residual' stack"
-    ),
-    ("xt_macaron_resattn", "map"): (
-        "new class: residual attention (`sim = sim + prev_attn`, logits carried from one "
-        "attention to the next) is a 7th residual add (writers to_q, to_k) and the second "
-        f"attention is placed at `attn_layers`; {_WRAPPED_NORM}; {_SUBLAYERS}"
-    ),
-    ("xt_talking_heads", "map"): (
-        "new class: talking heads' logits add (`sim = sim + pre_softmax_talking_heads(sim)`, "
-        "a 1x1 Conv2d over heads before the softmax) is taken for a residual add of the stream "
-        f"(6 adds where 4); {_WRAPPED_NORM}; {_SUBLAYERS}"
-    ),
-    ("xt_softclamp", "map"): (
-        "issue 25 class 7: soft-capping (`(sim / 30).tanh() * 30`) between q.k^T and the "
-        f"softmax hides both attention modules; {_WRAPPED_NORM}; {_SUBLAYERS}"
-    ),
-    ("xt_softclamp", "diagnose"): (
-        "issue 25 class 7: no attention module is found, the attention-logits check reads n/a"
     ),
 }

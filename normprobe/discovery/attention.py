@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from .model_map import AttentionImpl
@@ -123,19 +125,63 @@ def _declared_heads(module: nn.Module) -> int | None:
 
 
 def _logits_product(g: Graph, softmax: int) -> int | None:
-    """The matmul of two activations whose product ``softmax`` reads through ops that carry
-    logits (`carries_logits`); a weight op (a router's Linear) or another softmax ends a path."""
+    """The q·k product of ``softmax``: the latest matmul of two activations it reads through
+    `_logit_chain` (an earlier one reaches it only through logits carried over from another
+    layer's attention, as residual attention adds them)."""
+    products = [n for n in _logit_chain(g, softmax) if _is_product(g, n)]
+    return max(products, default=None)
+
+
+def logit_nodes(g: Graph) -> set[int]:
+    """Every node between a q·k product and the softmax reading it: an add among them (a
+    bias, the previous layer's logits, talking heads' mix) is attention's, no residual add."""
+    nodes: set[int] = set()
+    for s in g.softmaxes:
+        chain = _logit_chain(g, s)
+        first = min((n for n in chain if _is_product(g, n)), default=None)
+        if first is not None:
+            nodes |= {n for n in chain if n > first}
+    return nodes
+
+
+def _is_product(g: Graph, n: int) -> bool:
+    return g.op[n] in MATMUL_OPS and len(g.inputs[n]) >= 2 and not g.weight[n]
+
+
+def _logit_chain(g: Graph, softmax: int) -> set[int]:
+    """The nodes ``softmax`` reads through ops that carry logits (`carries_logits`) or mix
+    heads (`_mixes_heads`), back to and including the matmuls of two activations that end
+    it; another weight op (a router's Linear) or softmax ends a path unvisited."""
     todo, seen = list(g.inputs[softmax]), set()
     while todo:
         n = todo.pop()
         if n in seen:
             continue
-        seen.add(n)
-        if g.op[n] in MATMUL_OPS and len(g.inputs[n]) >= 2:
-            return n
-        if g.weight[n] or g.op[n] in SOFTMAX_OPS:
+        if _is_product(g, n):
+            seen.add(n)
+            continue
+        if g.op[n] in SOFTMAX_OPS or (g.weight[n] and not _mixes_heads(g, n)):
             continue
         acts = [i for i in g.inputs[n] if g.floating[i]]
-        if acts and carries_logits(g.op[n], g.shape[n], [g.shape[i] for i in acts]):
+        if acts and (
+            g.weight[n] or carries_logits(g.op[n], g.shape[n], [g.shape[i] for i in acts])
+        ):
+            seen.add(n)
             todo.extend(acts)
-    return None
+    return seen
+
+
+def _mixes_heads(g: Graph, n: int) -> bool:
+    acts = g.inputs[n]
+    return len(acts) == 1 and mixes_heads(g.shape[n], g.shape[acts[0]], g.weight_shapes.get(n, ()))
+
+
+def mixes_heads(
+    out: tuple[int, ...], logits: tuple[int, ...], weights: Sequence[tuple[int, ...]]
+) -> bool:
+    """Whether a weight op maps ``logits`` (..., heads, queries, keys) to ``out`` of the same
+    shape through ``weights`` over heads only (talking heads: an (heads, heads) matrix in an
+    einsum, a 1x1 convolution over heads)."""
+    if out != logits or len(out) < 4:
+        return False
+    return bool(weights) and all(d in (1, out[-3]) for shape in weights for d in shape)

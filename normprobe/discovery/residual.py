@@ -39,6 +39,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .attention import logit_nodes
 from .trace import ADD_OPS, SCALE_OPS, Graph
 
 # Ops taking part of a tensor: a skip read through one still reads the tensor's stream.
@@ -113,14 +114,16 @@ def find_residual_adds(g: Graph, norm_calls: frozenset[int] = frozenset()) -> li
     """Every residual add in ``g``, in execution order (by the node of its sum).
 
     ``norm_calls`` are the calls of norm modules: a weightless branch holding one is a branch.
+    An add between a q·k product and its softmax (`logit_nodes`) is attention's, none.
     """
+    logits = logit_nodes(g)
     found: list[FoundAdd] = []
     by_out: dict[int, FoundAdd] = {}
     weak: list[tuple[int, int, _Hit]] = []  # (sum, call, hit) that `_accept_weak` decides
     for out, a, b in g.adds:
         if not (g.act[a] and g.act[b]) or g.shape[a] != g.shape[b]:
             continue
-        if g.alias[a] == g.alias[b]:
+        if g.alias[a] == g.alias[b] or out in logits:
             continue
         cid = g.call[out]
         if cid is None:

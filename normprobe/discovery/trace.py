@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -229,6 +231,8 @@ class Graph:
     param_src: list[tuple[str, ...]] = field(default_factory=list)
     # for an op applying parameters as weights: their qualified names (empty for other ops)
     weight: list[tuple[str, ...]] = field(default_factory=list)
+    # for such an op: the shapes of the parameters it applies as matrices or kernels
+    weight_shapes: dict[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
     shape: list[tuple[int, ...]] = field(default_factory=list)
     floating: list[bool] = field(default_factory=list)  # holds floating-point values
     adds: list[tuple[int, int, int]] = field(default_factory=list)  # (out, left, right)
@@ -501,6 +505,8 @@ class _Recorder(TorchFunctionMode):
                 sources,
                 weight,
             )
+            if weight:
+                g.weight_shapes[n] = tuple(g.shape[p] for p in params if len(g.shape[p]) >= 2)
             if act and in_nodes:
                 self._alias(n, name, args, in_tensors, in_nodes)
             if add_operands is not None and act:
@@ -615,8 +621,34 @@ def trace(
     rec = _Recorder(model, capture)
     rec.attach(model)
     try:
-        with torch.no_grad(), rec:
+        with torch.no_grad(), scripted_functions_as_python(), rec:
             model(*args, **kwargs)
     finally:
         rec.detach()
     return rec.g
+
+
+_COMPILED_CALL: Callable[..., Any] = torch.jit.ScriptFunction.__call__
+_as_python_depth = 0
+
+
+def _call_as_python(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    source = getattr(fn, "_torchdynamo_inline", None)
+    return (source or partial(_COMPILED_CALL, fn))(*args, **kwargs)
+
+
+@contextmanager
+def scripted_functions_as_python() -> Iterator[None]:
+    """Run each TorchScript function (``torch.jit.script`` on a function) as the Python
+    function it was compiled from, while the context is active (nested contexts share it): the
+    TorchScript interpreter runs its ops out of a `TorchFunctionMode`'s sight (x-transformers
+    soft-caps attention logits in one), the Python function runs the same ops in sight."""
+    global _as_python_depth
+    _as_python_depth += 1
+    torch.jit.ScriptFunction.__call__ = _call_as_python  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        _as_python_depth -= 1
+        if not _as_python_depth:
+            torch.jit.ScriptFunction.__call__ = _COMPILED_CALL  # type: ignore[method-assign]

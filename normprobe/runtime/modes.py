@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from torch.overrides import (
 )
 
 from .. import probes
-from ..discovery.attention import LOGIT_MASK_OPS, LOGIT_SCALE_OPS, carries_logits
+from ..discovery.attention import LOGIT_MASK_OPS, LOGIT_SCALE_OPS, carries_logits, mixes_heads
 from ..discovery.trace import (
     ADD_OPS,
     FIRST_ONLY_OPS,
@@ -28,6 +29,7 @@ from ..discovery.trace import (
     SOFTMAX_OPS,
     WEIGHT_OPS,
     iter_tensors,
+    scripted_functions_as_python,
 )
 
 
@@ -69,12 +71,13 @@ class AttentionLogits(TorchFunctionMode):
     gets the vector of per-head maxima.
 
     Eager attention: each product of a matmul of two tensors is followed through the ops that
-    carry logits (`carries_logits`); its max |.| is taken where another tensor (a mask, a bias,
-    a sink) first meets it (at the softmax if none does), times the constant factors applied
-    after that, and read when a softmax takes it. What the model computes from the logits
-    alone before that (soft-capping, clamping, nan_to_num, casts) is part of forming them. Fused
-    attention: from q and k (`probes.sdpa_logit_max`); ``nn.MultiheadAttention``: from its
-    input and in-projection weights (`probes.mha_logit_max`).
+    carry logits (`carries_logits`) or mix heads (`mixes_heads`), TorchScript functions run as
+    their Python source; its max |.| is taken where another tensor (a mask, a bias, a sink, a
+    head-mixing weight) first meets it (at the softmax if none does), times the constant
+    factors applied after that, and read when a softmax takes it. What the model computes from
+    the logits alone before that (soft-capping, clamping, nan_to_num, casts) is part of forming
+    them. Fused attention: from q and k (`probes.sdpa_logit_max`); ``nn.MultiheadAttention``:
+    from its input and in-projection weights (`probes.mha_logit_max`).
     """
 
     def __init__(self, actions: Sequence[Callable[[torch.Tensor], None]], heads: int) -> None:
@@ -82,6 +85,18 @@ class AttentionLogits(TorchFunctionMode):
         self.actions = actions
         self.heads = heads
         self.logits: dict[int, _Logits] = {}  # by id of the tensor
+        self.scripts = ExitStack()
+
+    def __enter__(self) -> AttentionLogits:
+        self.scripts.enter_context(scripted_functions_as_python())
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        finally:
+            self.scripts.close()
 
     def found(self, per_head: torch.Tensor) -> None:
         for action in self.actions:
@@ -110,11 +125,10 @@ class AttentionLogits(TorchFunctionMode):
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor):
             return out
-        if name in MATMUL_OPS:
-            operands = [t for _, t in iter_tensors(args) if not isinstance(t, nn.Parameter)]
-            if len(operands) >= 2:
-                self.logits[id(out)] = (weakref.ref(out), None, 1.0)
-        elif found is not None and _carries(name, found[0], out):
+        operands = [t for _, t in iter_tensors(args) if not isinstance(t, nn.Parameter)]
+        if name in MATMUL_OPS and len(operands) >= 2:
+            self.logits[id(out)] = (weakref.ref(out), None, 1.0)
+        elif found is not None and _carries(name, found[0], out, args):
             if best is not None and name in LOGIT_SCALE_OPS:
                 factor = _scaled(factor, name, args, found[0])
             self.logits[id(out)] = (weakref.ref(out), best, factor)
@@ -143,10 +157,14 @@ def _meets(name: str, args: Sequence[Any], kwargs: dict[str, Any], logits: torch
     return any(t is not logits and t.numel() > 1 for _, t in iter_tensors((args, kwargs)))
 
 
-def _carries(name: str, logits: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether ``out`` carries the logits on toward a softmax, as `carries_logits` decides in
-    discovery: a view, slice or extension of them, or an elementwise op on them."""
-    if name in SOFTMAX_OPS or name in WEIGHT_OPS:
+def _carries(name: str, logits: torch.Tensor, out: torch.Tensor, args: Sequence[Any]) -> bool:
+    """Whether ``out`` carries the logits on toward a softmax, as discovery decides: a view,
+    slice or extension of them, an elementwise op on them (`carries_logits`), or a map of
+    their heads (`mixes_heads`)."""
+    if name in WEIGHT_OPS:
+        weights = [tuple(t.shape) for _, t in iter_tensors(args) if isinstance(t, nn.Parameter)]
+        return mixes_heads(tuple(out.shape), tuple(logits.shape), weights)
+    if name in SOFTMAX_OPS:
         return False
     return carries_logits(name, tuple(out.shape), [tuple(logits.shape)], broadcast=True)
 
