@@ -687,7 +687,7 @@ def specs(draw: st.DrawFn, classes: frozenset[str] = frozenset()) -> Spec:
 
 def _unpack(draw: st.DrawFn, spec: Spec, classes: frozenset[str]) -> Spec:
     """A flat serial stack the root unpacks (pairs and triples keep the drawn branches)."""
-    layout = draw(st.sampled_from(["pairs", "triples", "duo", "lists"]))
+    layout = draw(st.sampled_from(["pairs", "triples", "duo"]))  # "lists": see LISTS_GAP
     normed = layout in ("pairs", "triples")  # a norm in every pair
     return replace(
         spec,
@@ -707,7 +707,7 @@ def _unpack(draw: st.DrawFn, spec: Spec, classes: frozenset[str]) -> Spec:
 
 
 def _pool(draw: st.DrawFn, spec: Spec, classes: frozenset[str]) -> Spec:
-    if spec.layout != "block" or spec.ada:
+    if spec.layout != "block" or spec.ada or spec.placement == "sandwich":  # see POOL_GAP
         return spec
     return replace(spec, branches=("pool", "mlp"), mix="serial", residual=True)
 
@@ -1107,6 +1107,8 @@ def _expect_reinit(spec: Spec, scheme: str) -> str | None:
         return NO_ADDS
     if scheme in ("gpt2", "deepnorm") and _outside_a_stack(spec):
         return OUTSIDE_STACK
+    if scheme in ("gpt2", "deepnorm") and _nested(spec):
+        return NESTED
     if scheme == "deepnorm" and spec.skip_gain:
         return LEARNED_SKIP  # its alpha would replace or join the learned gain
     if scheme == "deepnorm" and spec.placement != "post":
@@ -1119,6 +1121,16 @@ def _expect_reinit(spec: Spec, scheme: str) -> str | None:
 # A block no stack holds beside blocks a stack holds (one block in a stage, then a shared block
 # run twice): the map doubts its depth N, so the schemes counting N refuse (issue 25).
 OUTSIDE_STACK = "add-outside-stack"
+
+
+# Stages of blocks chained with nothing between them: one run of adds crosses the stages' stack
+# and the stacks of their blocks, so N is either count and the schemes counting N refuse.
+NESTED = "nested-stacks"
+
+
+def _nested(spec: Spec) -> bool:
+    stacks = _stacks(spec)
+    return "stack" in stacks and any(p.startswith("stack.") for p in stacks)
 
 
 def _outside_a_stack(spec: Spec) -> bool:
@@ -1303,16 +1315,25 @@ BASE = Spec(
 )
 
 
-def _case(classes: str | tuple[str, ...], **options: Any) -> Any:
-    """A case of issue-25 classes, expected to fail until they are all in CLASSES_FIXED."""
+# Known gaps, drawn by no strategy and kept as strict xfails: separate lists of attention and
+# feed-forward layers (and of their norms) zipped by the parent give a stack per list, not one
+# stack of their pairs; a norm after a weightless (pool) branch of a Pre-LN block reads `pre`,
+# not `sandwich-post`.
+LISTS_GAP = "lists zipped by the parent: a stack per list, not one stack of their pairs"
+POOL_GAP = "the norm after a pool branch with a pre norm reads pre, not sandwich-post"
+
+
+def _case(classes: str | tuple[str, ...], gap: str | None = None, **options: Any) -> Any:
+    """A case of issue-25 classes, expected to fail until they are all in CLASSES_FIXED (or
+    while its ``gap`` stands)."""
     spec = replace(BASE, **options)
     name = "-".join(f"{k}={v}" for k, v in options.items())
     wanted = {classes} if isinstance(classes, str) else set(classes)
     pending = sorted(wanted - CLASSES_FIXED)
-    if not pending:
+    if not pending and gap is None:
         return pytest.param(spec, id=name)
-    mark = pytest.mark.xfail(strict=True, reason=f"issue 25 class {', '.join(pending)}")
-    return pytest.param(spec, id=name, marks=mark)
+    reason = gap or f"issue 25 class {', '.join(pending)}"
+    return pytest.param(spec, id=name, marks=pytest.mark.xfail(strict=True, reason=reason))
 
 
 CLASS_CASES = {
@@ -1322,8 +1343,8 @@ CLASS_CASES = {
         _case("stream", layout="triples", norm="rmsnorm"),
         _case("stream", layout="duo"),
         _case("stream", layout="duo", placement="none", mlp="moe"),
-        _case("stream", layout="lists"),
-        _case("stream", layout="lists", placement="none", final=False),
+        _case("stream", LISTS_GAP, layout="lists"),
+        _case("stream", LISTS_GAP, layout="lists", placement="none", final=False),
     ],
     "wrap": [
         _case("wrap", norm="wrapped-layernorm"),
@@ -1351,7 +1372,9 @@ CLASS_CASES = {
     ],
     "pool": [
         _case("pool", branches=("pool", "mlp"), qk="none"),
-        _case("pool", branches=("pool", "mlp"), qk="none", scale="c", placement="sandwich"),
+        _case(
+            "pool", POOL_GAP, branches=("pool", "mlp"), qk="none", scale="c", placement="sandwich"
+        ),
     ],
 }
 
@@ -1500,9 +1523,15 @@ def _exercise_resnet(spec: ConvSpec) -> None:
     baseline = hooks(model)
     pristine = copy.deepcopy(model)
     _check_resnet_map(spec, _probe(model, x, baseline, fault=False))
-    with _normal_stds() as stds:
-        normprobe.reinit(pristine, "gpt2", example_inputs=(x,))
     n = spec.blocks  # the blocks of each writer's stack
+    depth: dict[str, Any] = {}
+    if spec.shortcut != "conv":
+        # no layer between the stages: one run of adds crosses them, so N is in doubt
+        with pytest.raises(ValueError, match="nested-stacks"):
+            normprobe.reinit(copy.deepcopy(pristine), "gpt2", example_inputs=(x,))
+        depth["n_layers"] = n
+    with _normal_stds() as stds:
+        normprobe.reinit(pristine, "gpt2", example_inputs=(x,), **depth)
     for name, p in pristine.named_parameters():
         if p.ndim >= 2:
             want = STD / math.sqrt(2 * n) if name.endswith("conv2.weight") else STD
