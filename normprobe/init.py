@@ -868,12 +868,13 @@ def _scheme_gpt2(t: _Target, *, std: Any, n_layers: Any) -> None:
                 if id(p) in seen:
                     continue  # a tied weight (lm_head = wte) is initialized once
                 seen.add(id(p))
-                if p.ndim >= 2:
+                if _is_bias_name(name):
+                    nn.init.zeros_(p)
+                elif p.ndim >= 2:
                     qualified = f"{path}.{name}" if path else name
                     scale = math.sqrt(2 * writers[qualified]) if qualified in writers else 1.0
                     nn.init.normal_(p, 0.0, std / scale)
-                else:
-                    nn.init.zeros_(p)
+                # a vector that is no bias (RecurrentGemma's learned decay) keeps its own init
             if isinstance(m, nn.Embedding) and m.padding_idx is not None:
                 dict(t.applied.of(m))["weight"][m.padding_idx].zero_()
     t.reset_norms()

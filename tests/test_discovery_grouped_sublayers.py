@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -119,3 +120,91 @@ def test_whole_layers_of_two_classes_stay_one_block_each() -> None:
     (stack,) = m.stacks
     assert stack.depth == LAYERS and not stack.members
     assert [a.block for a in m.adds_in("layers")] == [i for i in range(LAYERS) for _ in (0, 1)]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+class Stage(nn.Module):
+    """A downsampling layer, then a Sequential of blocks."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.down = nn.Linear(D, D)
+        self.blocks = nn.Sequential(*(Block() for _ in range(depth)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.blocks(self.down(x))
+        return out
+
+
+class Stages(nn.Module):
+    """Stages of several depths (DaViT's and TinyViT's 1, 1, 3, 1)."""
+
+    def __init__(self, depths: tuple[int, ...]) -> None:
+        super().__init__()
+        self.stages = nn.Sequential(*(Stage(k) for k in depths))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.stages(x)
+        return out
+
+
+def test_a_stage_of_one_block_is_a_doubt_that_gpt2_heeds() -> None:
+    # the one-block stages hold no stack, so their adds fall to `stages`: N would be 4 stages
+    torch.manual_seed(0)
+    model, x = Stages((1, 1, 3, 1)), torch.randn(2, 8, D)
+    m = _map(model)
+    assert [(d.kind, d.path) for d in m.doubts] == [("nested-stacks", "stages")]
+    with pytest.raises(ValueError, match=r"nested-stacks at stages.*n_layers="):
+        normprobe.reinit(model, "gpt2", example_inputs=(x,))
+
+
+def test_stages_of_two_blocks_or_more_are_no_doubt() -> None:
+    torch.manual_seed(0)
+    model, x = Stages((2, 3)), torch.randn(2, 8, D)
+    assert not _map(model).doubts
+    normprobe.reinit(model, "gpt2", example_inputs=(x,))
+    for stage, depth in zip(model.stages, (2, 3), strict=True):
+        writers = torch.cat([b.fc2.weight.detach().flatten() for b in stage.blocks])
+        assert abs(writers.std().item() / (0.02 / math.sqrt(2 * depth)) - 1) < 0.05
+
+
+class Decay(nn.Module):
+    """A layer applying a matrix and a learned per-channel decay (RecurrentGemma's RG-LRU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(D, D) / D**0.5)
+        self.log_decay = nn.Parameter(torch.full((D,), -3.0))
+        self.gate_bias = nn.Parameter(torch.ones(2, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.weight) * torch.sigmoid(self.log_decay) + self.gate_bias.sum(0)
+
+
+class DecayBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.decay, self.head = nn.LayerNorm(D), Decay(), nn.Linear(D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(x + self.decay(self.norm(x)))
+        return out
+
+
+def test_gpt2_keeps_a_vector_that_is_no_bias_and_zeroes_every_bias() -> None:
+    torch.manual_seed(0)
+    model = DecayBlock()
+    normprobe.reinit(model, "gpt2", example_inputs=(torch.randn(2, 8, D),))
+    layer = model.decay
+    assert torch.equal(layer.log_decay, torch.full((D,), -3.0))
+    assert not layer.gate_bias.any()
+    # the one block's writer: N = 1
+    assert abs(layer.weight.std().item() / (0.02 / math.sqrt(2)) - 1) < 0.1

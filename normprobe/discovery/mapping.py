@@ -992,8 +992,10 @@ class _Builder:
 
     # doubts --------------------------------------------------------------------------------------
     def _nested_doubts(self, m: ModelMap) -> list[Doubt]:
-        """Stacks holding stacks whose blocks one run of adds crosses: the outer blocks stand
-        along the same stream as the inner ones, so either count could be the depth."""
+        """Stacks holding stacks whose blocks one run of adds crosses (the outer blocks stand
+        along the same stream as the inner ones, so either count could be the depth), or some
+        of whose blocks make adds of their own beside blocks holding stacks (a stage of one
+        block, whose N would be the number of stages)."""
         doubts = []
         inner = {s.parent for s in m.stacks if s.parent is not None and not s.repeated}
         for outer in (s for s in m.stacks if s.path in inner):
@@ -1001,12 +1003,21 @@ class _Builder:
             index = [
                 next((i for s, i in self._blocks_of(p) if s == outer.path), None) for p in anchors
             ]
-            if not any(len({index[i] for i in run} - {None}) > 1 for run in self.runs):
+            crossed = any(len({index[i] for i in run} - {None}) > 1 for run in self.runs)
+            # a stage of one block (DaViT's depths 1, 1, 3, 1): its adds fall to the outer stack
+            # and would count its blocks as N, where the other stages count their own blocks
+            direct = any(a.stack == outer.path for a in m.residual_adds)
+            if not (crossed or direct):
                 continue
             held = [a for a, i in zip(m.residual_adds, index, strict=True) if i is not None]
+            name = outer.path or "<root>"
             reason = (
-                f"one run of residual adds crosses the blocks of stack {outer.path or '<root>'} "
-                "and of the stacks inside them: the depth N is either count; pass n_layers="
+                f"one run of residual adds crosses the blocks of stack {name} and of the stacks "
+                "inside them: the depth N is either count; pass n_layers="
+                if crossed
+                else f"some blocks of stack {name} make residual adds of their own while others "
+                "hold stacks (a stage of one block?): their depth N would be the number of "
+                f"{name}'s blocks; pass n_layers="
             )
             doubts.append(
                 Doubt(
