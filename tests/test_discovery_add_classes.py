@@ -294,7 +294,8 @@ def test_fixup_treats_all_nine_blocks_of_an_option_a_resnet20(shortcut: str) -> 
         # L = 9 branches of m = 2 layers: L^(-1/(2m-2)) = 1/3 of He's std
         assert first.std().item() == pytest.approx(kaiming / 3, rel=0.05), path
         assert torch.count_nonzero(block.conv2.inner.weight) == 0, path
-    assert sum(isinstance(m, FixupScalars) for m in model.modules()) == 18
+    # both convs of each of the 9 branches, the stem's conv and the classifier
+    assert sum(isinstance(m, FixupScalars) for m in model.modules()) == 20
 
 
 # -- 10: bare parameters applied by einsum ------------------------------------------------------

@@ -231,9 +231,11 @@ def _stacks(m: ModelMap) -> dict[str, tuple[int, str, int]]:
     return {s.path: (s.depth, s.placement, len(m.adds_in(s.path))) for s in m.stacks}
 
 
-def _gpt2_stds(model: nn.Module, m: ModelMap, *args: torch.Tensor) -> dict[str, float]:
+def _gpt2_stds(
+    model: nn.Module, m: ModelMap, *args: torch.Tensor, n_layers: int | None = None
+) -> dict[str, float]:
     torch.manual_seed(0)
-    normprobe.reinit(model, "gpt2", example_inputs=args, model_map=m)
+    normprobe.reinit(model, "gpt2", example_inputs=args, model_map=m, n_layers=n_layers)
     writers = {w for a in m.residual_adds for w in a.writers}
     return {w: model.get_submodule(w).weight.std().item() for w in writers}
 
@@ -369,11 +371,15 @@ def test_torchvision_maxvit_stacks_its_layers_not_their_sublayers() -> None:
         "blocks.1.layers": (2, "pre-ln", 10),
     }
     assert not m.doubts
-    # a stage of one layer: its sublayers are no stack; its adds are the stage's
+    # a stage of one layer: its sublayers are no stack; its adds are the stage's, so their N
+    # would be the number of stages: a doubt, which n_layers= answers
     model = _torchvision_maxvit([1, 2])
     m = _discover(model, torch.randn(1, 3, 64, 64))
     assert _stacks(m) == {"blocks": (2, "pre-ln", 5), "blocks.1.layers": (2, "pre-ln", 10)}
-    stds = _gpt2_stds(model, m, torch.randn(1, 3, 64, 64))
+    assert [(d.kind, d.path) for d in m.doubts] == [("nested-stacks", "blocks")]
+    with pytest.raises(ValueError, match="nested-stacks"):
+        _gpt2_stds(model, m, torch.randn(1, 3, 64, 64))
+    stds = _gpt2_stds(model, m, torch.randn(1, 3, 64, 64), n_layers=2)
     for a in m.adds_in("blocks.1.layers"):
         for w in a.writers:
             if model.get_submodule(w).weight.numel() >= 1024:
@@ -414,7 +420,9 @@ def test_timm_maxvit_stacks_its_blocks_not_window_and_grid_attention() -> None:
             expected["stages.0.blocks"] = 2
         assert {s.path: s.depth for s in m.stacks} == expected
         assert len(m.adds_in("stages.1.blocks")) == 10
-        assert not m.doubts
+        # a stage of one block makes its adds in `stages`, beside a stage holding a stack
+        one_block = [("nested-stacks", "stages")] if depths[0] == 1 else []
+        assert [(d.kind, d.path) for d in m.doubts] == one_block
 
 
 def test_vit_pytorch_vit() -> None:
