@@ -204,8 +204,10 @@ def test_wav2vec2_positional_conv() -> None:
     assert pos.writers == (path,)
     assert pos.writer_params == (f"{path}.weight",)
 
+    # its add is in no stack: the map doubts its N, and the 2 layers are given
+    assert [(d.kind, d.path) for d in m.doubts] == [("add-outside-stack", "encoder")]
     keys = list(model.state_dict())
-    normprobe.reinit(model, "gpt2", model_map=m)
+    normprobe.reinit(model, "gpt2", model_map=m, n_layers=2)
     _assert_std(_effective(conv), 0.02 / math.sqrt(2 * 2))
     _assert_weight_norm_holds(conv)
     assert list(model.state_dict()) == keys

@@ -484,8 +484,10 @@ class _Builder:
         """Whether the blocks of candidate ``s`` are a block's sublayers: a run of residual
         adds goes on past the last of them, into the next entry of the list whose entry holds
         them, and they are of several classes, or of one class beside another inside another
-        stack's block (MaxViT's MBConv, window and grid attention); or into another entry,
-        never called, of a list holding the run (``for attn, ff in self.layers``)."""
+        stack's block (MaxViT's MBConv, window and grid attention; or on within that block:
+        ``nn.TransformerDecoderLayer``'s two attentions, then its feed-forward); or into
+        another entry, never called, of a list holding the run (``for attn, ff in
+        self.layers``)."""
         inside = {
             i for i, a in enumerate(self.adds) if any(self._add_within(a, b) for b in s.blocks)
         }
@@ -503,8 +505,13 @@ class _Builder:
                 return False
             parent = entry.rpartition(".")[0]
             return any(
-                (not parent or self._add_within(self.adds[j], parent))
-                and not self._add_within(self.adds[j], entry)
+                (
+                    (not parent or self._add_within(self.adds[j], parent))
+                    and not self._add_within(self.adds[j], entry)
+                )
+                # or on within the same block: torch's TransformerDecoderLayer's self- and
+                # cross-attention, then its feed-forward add
+                or (beside and self._add_within(self.adds[j], entry))
                 for _, j in following
             )
         for run, _ in following:
@@ -1006,7 +1013,7 @@ class _Builder:
             crossed = any(len({index[i] for i in run} - {None}) > 1 for run in self.runs)
             # a stage of one block (DaViT's depths 1, 1, 3, 1): its adds fall to the outer stack
             # and would count its blocks as N, where the other stages count their own blocks
-            direct = any(a.stack == outer.path for a in m.residual_adds)
+            direct = not outer.repeated and any(a.stack == outer.path for a in m.residual_adds)
             if not (crossed or direct):
                 continue
             held = [a for a, i in zip(m.residual_adds, index, strict=True) if i is not None]
