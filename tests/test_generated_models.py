@@ -1123,14 +1123,16 @@ def _expect_reinit(spec: Spec, scheme: str) -> str | None:
 OUTSIDE_STACK = "add-outside-stack"
 
 
-# Stages of blocks chained with nothing between them: one run of adds crosses the stages' stack
-# and the stacks of their blocks, so N is either count and the schemes counting N refuse.
+# Stages of blocks chained with nothing between them (a "seq" container starts each stage with
+# a Linear): one run of adds crosses the stages' stack and the stacks of their blocks, so N is
+# either count and the schemes counting N refuse.
 NESTED = "nested-stacks"
 
 
 def _nested(spec: Spec) -> bool:
     stacks = _stacks(spec)
-    return "stack" in stacks and any(p.startswith("stack.") for p in stacks)
+    inner = any(p.startswith("stack.") for p in stacks)
+    return "stack" in stacks and inner and spec.container != "seq"
 
 
 def _outside_a_stack(spec: Spec) -> bool:
