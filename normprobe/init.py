@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _WeightNorm
 from torch.nn.utils.weight_norm import WeightNorm
+from torch.utils.hooks import RemovableHandle
 
 from .common import example_call
 from .discovery import (
@@ -397,6 +398,17 @@ def _observing(model: nn.Module) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def _removing() -> Iterator[list[RemovableHandle]]:
+    """A list to put hook handles in; each is removed on exit, also when the forward raises."""
+    handles: list[RemovableHandle] = []
+    try:
+        yield handles
+    finally:
+        for h in handles:
+            h.remove()
+
+
 class _Target:
     """A model with its (lazily discovered) map and example inputs."""
 
@@ -553,23 +565,23 @@ class _Target:
                 "(and example_kwargs={...})"
             )
 
+    def observe(self) -> None:
+        """One forward on the example inputs, read-only and in eval mode."""
+        with _observing(self.model):
+            self.model(*self.args, **self.kwargs)
+
     def call_order(self, paths: set[str]) -> list[str]:
         """The order in which the modules at ``paths`` run in one forward (one entry a call)."""
         self.require_inputs("see which module ends each residual branch")
         order: list[str] = []
-        handles = []
-        try:
+        with _removing() as handles:
             for path in paths:
                 handles.append(
                     self.module(path).register_forward_hook(
                         lambda _m, _args, _out, path=path: order.append(path)
                     )
                 )
-            with _observing(self.model):
-                self.model(*self.args, **self.kwargs)
-        finally:
-            for h in handles:
-                h.remove()
+            self.observe()
         return order
 
 
@@ -1219,7 +1231,6 @@ class _EncoderReads:
         the output of the block at ``perturb`` (if any) shifted by noise."""
         t = self.t
         seen: dict[str, tuple[list[torch.Tensor], tuple[int, ...]]] = {}
-        handles = []
 
         def read_in(stack: str) -> Any:
             def hook(_m: nn.Module, args: Any, kwargs: Any) -> None:
@@ -1237,18 +1248,14 @@ class _EncoderReads:
 
             return hook
 
-        try:
+        with _removing() as handles:
             for stack, block in firsts.items():
                 module = t.module(block)
                 handles.append(module.register_forward_pre_hook(read_in(stack), with_kwargs=True))
                 handles.append(module.register_forward_hook(read_out(stack)))
             if perturb is not None:
                 handles.append(t.module(perturb).register_forward_hook(_shift_output))
-            with _observing(t.model):
-                t.model(*t.args, **t.kwargs)
-        finally:
-            for h in handles:
-                h.remove()
+            t.observe()
         missing = [s for s in firsts if s not in seen]
         if missing:
             raise ValueError(
@@ -1436,15 +1443,11 @@ class _ValueProbe:
             out[..., part * size : (part + 1) * size] *= 2
             return out
 
-        handles = [t.module(out_path).register_forward_pre_hook(capture)]
-        try:
+        with _removing() as handles:
+            handles.append(t.module(out_path).register_forward_pre_hook(capture))
             if double is not None:
                 handles.append(t.module(double).register_forward_hook(scale))
-            with _observing(t.model):
-                t.model(*t.args, **t.kwargs)
-        finally:
-            for h in handles:
-                h.remove()
+            t.observe()
         return seen[0]
 
 
