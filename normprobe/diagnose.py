@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from . import common, tags
+from . import common, diagnose_layers, probes, tags
 from .discovery import DiscoveryWarning, ModelMap
 from .discovery.state import preserved
 from .discovery.table import collapse_indices
@@ -88,6 +88,7 @@ RELU_CHAIN_MIN = 3
 GPT2_MIN_DEPTH = 6
 
 CHECKS: dict[str, str] = {
+    "layer-jump": "one layer or block whose output or gradient jumps against its peers",
     "no-final-norm": "Pre-LN stack without a final norm before the output",
     "post-ln-top-heavy": "Post-LN stack with top-heavy gradients",
     "post-ln-warmup": "Post-LN stack without DeepNorm's initialization: needs a warmup",
@@ -293,6 +294,7 @@ class _Capture:
     layer_calls: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     pairs: list[_Pair] = field(default_factory=list)
     chains: list[list[_Pair]] = field(default_factory=list)
+    layers: diagnose_layers.LayerCapture = field(default_factory=diagnose_layers.LayerCapture)
 
 
 _RELU = {"relu", "relu_"}
@@ -370,18 +372,21 @@ def _capturing(model: nn.Module, model_map: ModelMap, cap: _Capture) -> Iterator
 
             handles.append(m.register_forward_pre_hook(norm_pre, with_kwargs=True))
 
-    for path, m in modules.items():
-        if is_weight_layer(m) and not isinstance(m, nn.Embedding):
+    weight_layers = [
+        p for p, m in modules.items() if is_weight_layer(m) and not isinstance(m, nn.Embedding)
+    ]
+    for path in weight_layers:
 
-            def layer_post(
-                mod: nn.Module, args: tuple[Any, ...], out: Any, path: str = path
-            ) -> None:
-                if args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
-                    cap.layer_calls.append((path, args[0], out))
+        def layer_post(mod: nn.Module, args: tuple[Any, ...], out: Any, path: str = path) -> None:
+            if args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+                cap.layer_calls.append((path, args[0], out))
 
-            handles.append(m.register_forward_hook(layer_post))
+        handles.append(modules[path].register_forward_hook(layer_post))
     try:
-        with _ReluWatch(cap, modules):
+        with (
+            _ReluWatch(cap, modules),
+            diagnose_layers.capture_layers(model, weight_layers, cap.layers),
+        ):
             yield
     finally:
         for h in handles:
@@ -474,6 +479,7 @@ def diagnose(
             logit_tags = {a.path: probe.tag("attn_logit_max", a.path) for a in model_map.attention}
         finally:
             probe.remove()
+            cap.layers.release()
         cap.chains = _relu_chains(cap.pairs)
         for pair in cap.pairs:  # keep no activation alive in the result
             pair.x_in = pair.y_out = None
@@ -503,6 +509,27 @@ class _Context:
     attention_tags: dict[str, str]
     own_loss: bool
     extra: dict[str, float] = field(default_factory=dict)
+    _jumps: list[diagnose_layers.Jump] | None = None
+
+    def jumps(self) -> list[diagnose_layers.Jump]:
+        """Layers and blocks jumping against their peers (`normprobe.diagnose_layers`)."""
+        if self._jumps is None:
+            found = diagnose_layers.layer_jumps(
+                self.model, self.cap.layers, self.model_map, self.extra
+            )
+            for s in self.model_map.stacks:
+                profile = self.stream_rms(s)
+                found += diagnose_layers.stream_jumps(s.path, s.blocks, profile, self.extra)
+            self._jumps = found
+        return self._jumps
+
+    def stream_rms(self, s: Any) -> list[float | None]:
+        """The RMS of stack ``s``'s stream after each block."""
+        name = s.path or "root"
+        return [
+            self.scalars.get(tags.format("resid_rms", name, b, depth=s.depth))
+            for b in range(s.depth)
+        ]
 
     def scalar(self, family: str, path: str) -> float | None:
         return self.scalars.get(tags.format(family, path or "root"))
@@ -525,6 +552,15 @@ def _paths(paths: Sequence[str]) -> str:
     """``blocks.{0..11}.attn`` for runs of block indices."""
     rows = collapse_indices([(p or "<root>",) for p in paths], (0,))
     return ", ".join(r[0] for r in rows)
+
+
+def _check_layer_jump(ctx: _Context) -> CheckResult:
+    jumps = ctx.jumps()
+    if not any(t.startswith("diagnose/jump_max/") for t in ctx.extra):
+        return [], "no layer or block repeated 3+ times to compare with its peers"
+    return [
+        Finding("layer-jump", *d) for d in diagnose_layers.describe(jumps, ctx.model, _paths)
+    ], None
 
 
 def _check_final_norm(ctx: _Context) -> CheckResult:
@@ -639,21 +675,36 @@ def _check_residual_growth(ctx: _Context) -> CheckResult:
         growth = ctx.scalar("resid_growth", s.path)
         if slope is None or growth is None or not slope > RESID_SLOPE_MAX:
             continue
-        found.append(
-            Finding(
-                "residual-growth",
-                f"residual stream grows with depth in `{s.path or '<root>'}`",
-                (
-                    f"RMS of the stream after block {s.depth - 1} / after block 0 = {growth:.2f}; "
-                    f"log-log slope against depth {slope:.2f} (sqrt(depth) is 0.5; threshold "
-                    f"{RESID_SLOPE_MAX})",
-                ),
-                "deep blocks add ever less to a growing stream: scale the residual writes "
-                "(normprobe.reinit(model, 'gpt2')), start branches small "
-                "(normprobe.insert_branch_scale(model, 'layerscale')), or use sandwich norms.",
-                (s.path,),
-            )
+        name = s.path or "<root>"
+        title = f"residual stream grows with depth in `{name}`"
+        evidence = [
+            f"RMS of the stream after block {s.depth - 1} / after block 0 = {growth:.2f}; "
+            f"log-log slope against depth {slope:.2f} (sqrt(depth) is 0.5; threshold "
+            f"{RESID_SLOPE_MAX})"
+        ]
+        suggestion = (
+            "deep blocks add ever less to a growing stream: scale the residual writes "
+            "(normprobe.reinit(model, 'gpt2')), start branches small "
+            "(normprobe.insert_branch_scale(model, 'layerscale')), or use sandwich norms."
         )
+        jumps = [j for j in ctx.jumps() if not j.layer and j.block and j.block[0] == s.path]
+        if jumps:
+            rest = probes.loglog_slope(diagnose_layers.without_jumps(ctx.stream_rms(s), jumps))
+            at = ", ".join(f"x{j.factor:.3g} at block {j.block[1]}" for j in jumps if j.block)
+            evidence.append(f"of that, {at} [layer-jump]; without it the slope is {rest:.2f}")
+            if not rest > RESID_SLOPE_MAX:
+                blocks = {j.block for j in jumps}
+                culprits = list(
+                    dict.fromkeys(j.path for j in ctx.jumps() if j.layer and j.block in blocks)
+                )
+                at = ", ".join(f"block {j.block[1]}" for j in jumps if j.block)
+                title = f"residual stream of `{name}` jumps at {at}, it does not grow with depth"
+                suggestion = (
+                    f"the growth comes from one place, not from depth: fix "
+                    f"{_paths(culprits or [j.path for j in jumps])} (see layer-jump); a global "
+                    "re-init or branch scaling would not remove it."
+                )
+        found.append(Finding("residual-growth", title, tuple(evidence), suggestion, (s.path,)))
     return found, None
 
 
@@ -905,8 +956,10 @@ def _check_residual_scaling(ctx: _Context) -> CheckResult:
         if not writes:
             continue
         seen = True
-        write_std = _pooled_std([modules[p] for p in writes])
-        other_std = _pooled_std([modules[p] for p in others])
+        # a layer that jumps against its peers would swamp the pooled std (layer-jump names it)
+        odd = {j.path for j in ctx.jumps() if j.layer}
+        write_std = _pooled_std([modules[p] for p in writes if p not in odd])
+        other_std = _pooled_std([modules[p] for p in others if p not in odd])
         if not other_std > 0:
             continue
         ratio = write_std / other_std
@@ -948,6 +1001,7 @@ def _pooled_std(layers: list[nn.Module]) -> float:
 
 
 _CHECKS: dict[str, Callable[[_Context], CheckResult]] = {
+    "layer-jump": _check_layer_jump,
     "no-final-norm": _check_final_norm,
     "post-ln-top-heavy": _check_post_ln,
     "post-ln-warmup": _check_post_ln_warmup,

@@ -1,0 +1,333 @@
+"""`diagnose`'s single-layer check: a weight layer or a block whose output or gradient jumps.
+
+Each weight layer's forward gain (output RMS / input RMS) and backward gain (RMS of the gradient
+reaching its input / of the gradient at its output) are compared with the median over its peers:
+the layers of the same role in the other blocks (same path with block indices as ``*``, same
+weight shape). Gains are local, so a scale put into one layer shows at that layer only, not at
+every layer after it. Each block's step of the residual stream (RMS after block b / after block
+b-1) is compared with the median step of the stack's other blocks, which catches a scale applied
+in a block's forward code rather than in a module. (Blocks' gradient norms are not compared step
+by step: a Post-LN stack's first block legitimately gets ~9x the gradient of the next, because
+its norm divides by the small RMS of the embeddings.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .discovery import ModelMap
+from .discovery.trace import iter_tensors
+
+# A healthy model's layer gains stay within JUMP_MIN of their peers' median: at init the peers
+# draw their weights from one distribution (factors measured on the healthy zoo: at most 2.1
+# forward, 2.9 backward, 1.3 per stream step, 3.0 per gradient step; see the README). 10x is
+# past that by a margin of 3 and far below a scale a bug leaves (1e4 in the tests); the
+# gradient steps of a Post-LN stack vary more with depth, hence the same limit for both.
+JUMP_MIN = 10.0
+# peers needed to call one layer or block the odd one out
+MIN_PEERS = 2
+
+_TINY = 1e-30
+
+
+@dataclass
+class LayerStats:
+    """RMS of one weight layer's input and output (its first call), and of their gradients."""
+
+    path: str
+    order: int
+    x_rms: float = math.nan
+    y_rms: float = math.nan
+    gx_rms: float = math.nan
+    gy_rms: float = math.nan
+
+    @property
+    def forward_gain(self) -> float:
+        return self.y_rms / self.x_rms if self.x_rms > _TINY else math.nan
+
+    @property
+    def backward_gain(self) -> float:
+        return self.gx_rms / self.gy_rms if self.gy_rms > _TINY else math.nan
+
+
+@dataclass
+class LayerCapture:
+    """The layers' stats, filled by `capture_layers` during one forward and backward."""
+
+    stats: dict[str, LayerStats] = field(default_factory=dict)
+    _handles: list[RemovableHandle] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Remove the gradient hooks left on the forward's tensors."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.detach().float().pow(2).mean().sqrt())
+
+
+def _first_float(value: Any) -> torch.Tensor | None:
+    return next((t for _, t in iter_tensors(value) if t.is_floating_point()), None)
+
+
+def _grad_hook(stats: LayerStats, name: str) -> Any:
+    def hook(g: torch.Tensor) -> None:
+        setattr(stats, name, _rms(g))
+
+    return hook
+
+
+@contextmanager
+def capture_layers(model: nn.Module, paths: list[str], cap: LayerCapture) -> Iterator[None]:
+    """Hook ``paths``' modules for one forward; gradient hooks stay until ``cap.release()``.
+
+    The input is read in a forward pre-hook, before a backward hook of the user's wraps it, so
+    that its gradient is the one the layer's backward (hooks included) hands on.
+    """
+    modules = dict(model.named_modules())
+    handles = []
+    for path in paths:
+
+        def pre(mod: nn.Module, args: tuple[Any, ...], path: str = path) -> None:
+            x = _first_float(args)
+            if path in cap.stats or x is None:
+                return
+            stats = cap.stats[path] = LayerStats(path, len(cap.stats), x_rms=_rms(x))
+            if x.grad_fn is not None:  # not the user's batch, which outlives the step
+                hook = x.register_hook(_grad_hook(stats, "gx_rms"))  # type: ignore[no-untyped-call]
+                cap._handles.append(hook)
+
+        def post(mod: nn.Module, args: tuple[Any, ...], out: Any, path: str = path) -> None:
+            stats, y = cap.stats.get(path), _first_float(out)
+            if stats is None or y is None or not math.isnan(stats.y_rms):
+                return
+            stats.y_rms = _rms(y)
+            if y.requires_grad:
+                hook = y.register_hook(_grad_hook(stats, "gy_rms"))  # type: ignore[no-untyped-call]
+                cap._handles.append(hook)
+
+        handles.append(modules[path].register_forward_pre_hook(pre))
+        handles.append(modules[path].register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass(frozen=True)
+class Jump:
+    """One layer or block whose gain stands out from its peers'.
+
+    Attributes:
+        kind: ``output`` (forward) or ``gradient`` (backward).
+        path: the weight layer, or the block for a stream/gradient step.
+        block: (stack path, block index) holding ``path``, if any.
+        factor: ``value / typical``.
+        value: the gain of ``path`` (a block's step for blocks).
+        typical: the median over ``peers``.
+        peers: the layers (blocks) compared with.
+        layer: a weight layer's gain, not a block's step.
+    """
+
+    kind: str
+    path: str
+    block: tuple[str, int] | None
+    factor: float
+    value: float
+    typical: float
+    peers: tuple[str, ...]
+    layer: bool
+
+
+def role(path: str) -> str:
+    """``blocks.2.mlp.fc2`` -> ``blocks.*.mlp.fc2``: the same layer in every block."""
+    return ".".join("*" if part.isdigit() else part for part in path.split("."))
+
+
+def block_of(path: str, model_map: ModelMap) -> tuple[str, int] | None:
+    """The innermost (stack path, block index) whose block holds ``path``."""
+    best: tuple[int, tuple[str, int]] | None = None
+    for s in model_map.stacks:
+        for i, b in enumerate(s.blocks):
+            if (path == b or path.startswith(b + ".")) and (best is None or len(b) > best[0]):
+                best = (len(b), (s.path, i))
+    return best[1] if best else None
+
+
+def _factors(values: dict[str, float]) -> Iterator[tuple[str, float, float, tuple[str, ...]]]:
+    """(key, value / the others' median, that median, the others) for each key with peers."""
+    finite = {k: v for k, v in values.items() if math.isfinite(v) and v >= 0}
+    if len(finite) <= MIN_PEERS:
+        return
+    for key, v in finite.items():
+        peers = tuple(k for k in finite if k != key)
+        typical = statistics.median(finite[k] for k in peers)
+        if typical > _TINY:
+            yield key, v / typical, typical, peers
+
+
+def _note_max(extra: dict[str, float], tag: str, factor: float) -> None:
+    extra[tag] = max(extra.get(tag, 0.0), factor)
+
+
+def layer_jumps(
+    model: nn.Module, cap: LayerCapture, model_map: ModelMap, extra: dict[str, float]
+) -> list[Jump]:
+    """Weight layers whose forward or backward gain is JUMP_MIN x their peers' median."""
+    modules = dict(model.named_modules())
+    groups: dict[tuple[str, tuple[int, ...]], list[LayerStats]] = {}
+    for st in cap.stats.values():
+        w = getattr(modules[st.path], "weight", None)
+        shape = tuple(w.shape) if isinstance(w, torch.Tensor) else ()
+        groups.setdefault((role(st.path), shape), []).append(st)
+    jumps = []
+    for members in groups.values():
+        for kind, gain in (("output", "forward_gain"), ("gradient", "backward_gain")):
+            values = {st.path: getattr(st, gain) for st in members}
+            for path, factor, typical, peers in _factors(values):
+                _note_max(extra, f"diagnose/jump_max/{kind}/layers", factor)
+                if factor <= JUMP_MIN:
+                    continue
+                extra[f"diagnose/{kind}_jump/{path}"] = factor
+                jumps.append(
+                    Jump(
+                        kind,
+                        path,
+                        block_of(path, model_map),
+                        factor,
+                        values[path],
+                        typical,
+                        peers,
+                        True,
+                    )
+                )
+    return jumps
+
+
+def stream_jumps(
+    stack: str, blocks: tuple[str, ...], profile: list[float | None], extra: dict[str, float]
+) -> list[Jump]:
+    """Blocks whose step of the stream (RMS after block b / after block b-1) is JUMP_MIN x the
+    median step of the stack's other blocks."""
+    steps = {
+        str(b): v / w
+        for b, (w, v) in enumerate(itertools.pairwise(profile), 1)
+        if v is not None and w is not None and w > _TINY
+    }
+    found = []
+    for b, factor, typical, others in _factors(steps):
+        _note_max(extra, "diagnose/jump_max/output/blocks", factor)
+        if factor > JUMP_MIN:
+            peers = tuple(blocks[int(k)] for k in others)
+            i = int(b)
+            found.append(
+                Jump("output", blocks[i], (stack, i), factor, steps[b], typical, peers, False)
+            )
+    return found
+
+
+def without_jumps(profile: list[float | None], jumps: list[Jump]) -> list[float]:
+    """``profile`` (the stream's RMS per block) with each jump's excess over the typical step
+    divided out from its block on."""
+    excess = {j.block[1]: j.factor for j in jumps if j.block}
+    out, scale = [], 1.0
+    for b, v in enumerate(profile):
+        scale *= excess.get(b, 1.0)
+        out.append(math.nan if v is None else v / scale)
+    return out
+
+
+def _group(jumps: list[Jump]) -> list[list[Jump]]:
+    """One group per culprit layer; a block's step joins a layer of that block that jumps."""
+    groups: dict[str, list[Jump]] = {}
+    for j in jumps:
+        if j.layer:
+            groups.setdefault(j.path, []).append(j)
+    for j in jumps:
+        if not j.layer:
+            host = next(
+                (p for p, g in groups.items() if g[0].layer and g[0].block == j.block), j.path
+            )
+            groups.setdefault(host, []).append(j)
+    return list(groups.values())
+
+
+def _weight_std(modules: dict[str, nn.Module], path: str) -> float:
+    w = getattr(modules[path], "weight", None)
+    return float(w.detach().float().std()) if isinstance(w, torch.Tensor) else math.nan
+
+
+def _line(j: Jump, collapse: Any) -> str:
+    peers = f"{len(j.peers)} peers {collapse(j.peers)}"
+    if j.layer and j.kind == "output":
+        what = f"forward gain of `{j.path}` (output RMS / input RMS) {j.value:.3g}"
+    elif j.layer:
+        what = f"backward gain of `{j.path}` (input / output gradient RMS) {j.value:.3g}"
+    else:
+        i = j.block[1] if j.block else 0
+        what = f"stream RMS after block {i} / after block {i - 1} = {j.value:.3g}"
+    return f"{what}, against a median {j.typical:.3g} over {peers}: x{j.factor:.3g}"
+
+
+def describe(
+    jumps: list[Jump], model: nn.Module, collapse: Any
+) -> list[tuple[str, tuple[str, ...], str, tuple[str, ...]]]:
+    """(title, evidence, suggestion, paths) per culprit; ``collapse`` shortens path lists."""
+    modules = dict(model.named_modules())
+    out: list[tuple[str, tuple[str, ...], str, tuple[str, ...]]] = []
+    for group in _group(jumps):
+        head = group[0]
+        where = f" (block {head.block[1]} of `{head.block[0] or '<root>'}`)" if head.block else ""
+        kinds = sorted({j.kind for j in group}, reverse=True)
+        factor = max(j.factor for j in group)
+        evidence = [_line(j, collapse) for j in group]
+        if head.layer:
+            what = " and ".join(kinds)
+            title = f"`{head.path}`{where} scales its {what} x{factor:.3g} more than its peers"
+            suggestion = _layer_advice(head, group, modules, evidence)
+        else:
+            stack, i = head.block or ("", 0)
+            title = f"the residual stream of `{stack or '<root>'}` jumps x{factor:.3g} at block {i}"
+            suggestion = (
+                f"no weight layer of `{head.path}` stands out from its peers: look for a scale or "
+                f"hook applied in that block's forward code, rather than re-initializing the model."
+            )
+        out.append((title, tuple(evidence), suggestion, (head.path,)))
+    return out
+
+
+def _layer_advice(
+    head: Jump, group: list[Jump], modules: dict[str, nn.Module], evidence: list[str]
+) -> str:
+    std = _weight_std(modules, head.path)
+    peer_std = statistics.median(_weight_std(modules, p) for p in head.peers)
+    evidence.append(f"weight std of `{head.path}` {std:.3g}; its peers' median {peer_std:.3g}")
+    if std > JUMP_MIN**0.5 * peer_std:
+        return (
+            f"one layer is off, not the model's init: re-initialize `{head.path}` alone, like "
+            f"its peers: nn.init.normal_(model.get_submodule('{head.path}').weight, "
+            f"std={peer_std:.3g}); then look for what scaled it (a checkpoint, a manual edit)."
+        )
+    if all(j.kind == "gradient" for j in group if j.layer):
+        return (
+            f"its forward matches its peers', its backward does not: look for what scales the "
+            f"gradient through `{head.path}` (a backward hook, a custom autograd.Function, a "
+            "gradient multiplier); the model's init is not at fault."
+        )
+    return (
+        f"its weights are like its peers': look for a scale or hook applied in the forward of "
+        f"`{head.path}`; the model's init is not at fault."
+    )
