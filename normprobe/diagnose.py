@@ -91,7 +91,7 @@ CHECKS: dict[str, str] = {
     "layer-jump": "one layer or block whose output or gradient jumps against its peers",
     "no-final-norm": "Pre-LN stack without a final norm before the output",
     "post-ln-top-heavy": "Post-LN stack with top-heavy gradients",
-    "post-ln-warmup": "Post-LN stack without DeepNorm's initialization: needs a warmup",
+    "post-ln-warmup": "Post-LN stack needing a warmup (no DeepNorm init, or top-heavy gradients)",
     "residual-growth": "residual stream growing with depth",
     "attention-logits": "large attention logits",
     "batchnorm-batch": "BatchNorm on a small per-device batch, or unsynced across ranks",
@@ -105,7 +105,9 @@ CHECKS: dict[str, str] = {
 DIAGNOSE_SCHEMA = "normprobe.diagnose/1"
 
 Batch = torch.Tensor | tuple[Any, ...] | list[Any] | dict[str, Any]
-LossFn = Callable[[Any], torch.Tensor]
+# ``loss_fn(output)`` or ``loss_fn(output, batch)``; see `loss_caller`
+LossFn = Callable[[Any], torch.Tensor] | Callable[[Any, Any], torch.Tensor]
+LOSS_FN_FORMS = "loss_fn(output) or loss_fn(output, batch)"
 
 
 class DiagnoseInputError(ValueError):
@@ -244,6 +246,43 @@ def default_loss(output: Any) -> torch.Tensor:
     raise DiagnoseInputError(
         f"the model returned {type(output).__name__}, with no floating-point tensor to make a "
         "loss from; pass loss_fn=lambda output: <a scalar tensor>"
+    )
+
+
+def loss_caller(loss_fn: LossFn | None) -> Callable[[Any, Batch], torch.Tensor]:
+    """``loss_fn`` as a function of (output, batch), by the parameters it requires.
+
+    One required positional parameter: called as ``loss_fn(output)``; two, or only ``*args``:
+    ``loss_fn(output, batch)``, ``batch`` being what `diagnose` was given. ``None``:
+    `default_loss`.
+
+    Raises:
+        DiagnoseInputError: ``loss_fn`` is not callable, or requires other parameters.
+    """
+    if loss_fn is None:
+        return lambda output, batch: default_loss(output)
+    if not callable(loss_fn):
+        raise DiagnoseInputError(
+            f"loss_fn must be callable as {LOSS_FN_FORMS}, got {type(loss_fn).__name__}"
+        )
+    try:
+        params = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: the documented default
+        params = [inspect.Parameter("output", inspect.Parameter.POSITIONAL_ONLY)]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in params if p.default is p.empty and p.kind in positional]
+    keyword = [p.name for p in params if p.default is p.empty and p.kind == p.KEYWORD_ONLY]
+    varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
+    if not keyword and len(required) == 1:
+        return lambda output, batch: loss_fn(output)  # type: ignore[call-arg]
+    if not keyword and (len(required) == 2 or (varargs and not required)):
+        return lambda output, batch: loss_fn(output, batch)  # type: ignore[call-arg]
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    bare = [p.replace(annotation=p.empty) for p in params]
+    raise DiagnoseInputError(
+        f"loss_fn must be callable as {LOSS_FN_FORMS} (batch: what diagnose was given), got "
+        f"{name}{inspect.Signature(bare)}; wrap it, e.g. "
+        "loss_fn=lambda output, batch: my_loss(output, targets)"
     )
 
 
@@ -421,8 +460,10 @@ def diagnose(
     Args:
         model: the model, on the device of ``batch``.
         batch: one input tensor, a tuple of positional inputs, or a dict of keyword inputs.
-        loss_fn: maps the model's output to the scalar to backpropagate; default `default_loss`
-            (the model's own ``.loss``, else the mean of squares of its logits).
+        loss_fn: the scalar to backpropagate, as ``loss_fn(output)`` or ``loss_fn(output,
+            batch)`` (``batch`` as given here; chosen by the parameters it requires, see
+            `loss_caller`); default `default_loss` (the model's own ``.loss``, else the mean of
+            squares of its logits).
         train: run the step in training mode (dropout on, BatchNorm on batch statistics).
         world_size: data-parallel ranks the model trains on, for the BatchNorm check; default
             ``torch.distributed``'s world size when a process group exists, else 1.
@@ -431,8 +472,8 @@ def diagnose(
         A `Diagnosis`: ``print()`` it; ``.findings`` and ``.codes`` hold the problems.
 
     Raises:
-        DiagnoseInputError: a batch of the wrong type, or a loss that is not a scalar depending
-            on the model's parameters.
+        DiagnoseInputError: a batch of the wrong type, a ``loss_fn`` of neither form, or a loss
+            that is not a scalar depending on the model's parameters.
         Exception: whatever the model's forward raises on ``batch``.
 
     Example::
@@ -446,6 +487,7 @@ def diagnose(
     if not isinstance(model, nn.Module):
         raise DiagnoseInputError(f"diagnose() needs a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = _split_batch(batch)
+    compute_loss = loss_caller(loss_fn)
     if world_size is None:
         world_size = common.world_size()
     cap = _Capture()
@@ -460,7 +502,7 @@ def diagnose(
             model_map = probe.model_map
             with _capturing(model, model_map, cap):
                 output = model(*args, **kwargs)
-            loss = (loss_fn or default_loss)(output)
+            loss = compute_loss(output, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise DiagnoseInputError(
                     f"the loss must be a scalar tensor, got {type(loss).__name__}"
@@ -593,6 +635,13 @@ def _check_final_norm(ctx: _Context) -> CheckResult:
     ], None
 
 
+def _top_heavy(ctx: _Context, s: Any) -> float | None:
+    """Stack ``s``'s last/first block gradient ratio when above the limit, else None."""
+    ratio = ctx.scalar("grad_ratio", s.path)
+    measurable = ctx.model_map.head is not None or ctx.own_loss
+    return ratio if measurable and ratio is not None and ratio > POSTLN_GRAD_RATIO_MAX else None
+
+
 def _check_post_ln(ctx: _Context) -> CheckResult:
     # a stack discovery calls "deepnorm" already carries the fix
     stacks = ctx.add_stacks(("post-ln",))
@@ -603,8 +652,8 @@ def _check_post_ln(ctx: _Context) -> CheckResult:
         return [], "no output head: pass loss_fn, the default loss flattens Post-LN gradients"
     found = []
     for s in stacks:
-        ratio = ctx.scalar("grad_ratio", s.path)
-        if ratio is None or ratio <= POSTLN_GRAD_RATIO_MAX:
+        ratio = _top_heavy(ctx, s)
+        if ratio is None:
             continue
         found.append(
             Finding(
@@ -625,7 +674,8 @@ def _check_post_ln(ctx: _Context) -> CheckResult:
 
 def _check_post_ln_warmup(ctx: _Context) -> CheckResult:
     """A Post-LN stack trained from a standard init needs a learning-rate warmup (the lecture;
-    Xiong et al. 2020); DeepNorm's init (its fixed branch scales) removes that need."""
+    Xiong et al. 2020); DeepNorm's init (its fixed branch scales) removes that need, unless the
+    gradients are top-heavy all the same (then post-ln-top-heavy flags the stack too)."""
     stacks = ctx.add_stacks(("post-ln",))
     if not stacks:
         return [], "no Post-LN stack"
@@ -633,26 +683,37 @@ def _check_post_ln_warmup(ctx: _Context) -> CheckResult:
     found = []
     for s in stacks:
         writers = {w for a in ctx.model_map.adds_in(s.path) for w in a.writers}
-        ratio = ctx.scalar("grad_ratio", s.path)
         scaled = any(w == d or w.startswith(d + ".") for w in writers for d in deepnorm)
-        if scaled or (ratio is not None and ratio > POSTLN_GRAD_RATIO_MAX):
-            continue  # DeepNorm's init, or the top-heavy finding says more
+        top_heavy = _top_heavy(ctx, s)
+        if scaled and top_heavy is None:
+            continue
+        ratio = ctx.scalar("grad_ratio", s.path)
         norms = [
             ctx.scalars.get(tags.format("grad_norm", s.path or "root", b, depth=s.depth))
             for b in range(s.depth)
         ]
         profile = ", ".join("-" if v is None else f"{v:.3g}" for v in norms)
-        evidence = [f"{s.depth} {s.placement} blocks at `{s.path or '<root>'}`, no DeepNorm scales"]
+        name = s.path or "<root>"
+        evidence = [
+            f"{s.depth} {s.placement} blocks at `{name}`, "
+            + ("with DeepNorm's scales" if scaled else "no DeepNorm scales")
+        ]
         if ratio is not None:
             evidence.append(
-                f"gradient norm per block at this batch: {profile} (last / first {ratio:.3g}); "
-                "Post-LN renormalizes after every add, so each block's share of the gradient "
+                f"gradient norm per block at this batch: {profile} (last / first {ratio:.3g}"
+                + (", top-heavy: post-ln-top-heavy)" if top_heavy else ")")
+                + "; Post-LN renormalizes after every add, so each block's share of the gradient "
                 "depends on its depth and shifts as training moves the weights"
             )
         found.append(
             Finding(
                 "post-ln-warmup",
-                f"Post-LN stack `{s.path or '<root>'}` without DeepNorm's initialization",
+                f"Post-LN stack `{name}` "
+                + (
+                    "needs a warmup despite DeepNorm's scales"
+                    if scaled
+                    else "without DeepNorm's initialization"
+                ),
                 tuple(evidence),
                 "train with a learning-rate warmup (Post-LN without one stalls or diverges: "
                 "Xiong et al. 2020), or re-initialize for DeepNorm: "
@@ -1020,9 +1081,12 @@ _CHECKS: dict[str, Callable[[_Context], CheckResult]] = {
 _EPILOG = """\
 ENTRY names a function, module:function, returning (model, batch) or (model, batch, loss_fn);
 batch is what diagnose() takes: a tensor, a tuple of positional inputs or a dict of keyword
-inputs. Exit status: 0 no finding, 1 findings, 2 bad input (entry not found, wrong return
-value, the model failing on the batch). --json prints the report as JSON (schema
-normprobe.diagnose/1: model, loss, findings, checks, measurements).
+inputs. loss_fn is called as loss_fn(output), or as loss_fn(output, batch) when it requires two
+parameters (output: what the model returned on batch) and returns the scalar tensor to
+backpropagate; without it the loss is the model's own .loss, else the mean of squares of its
+logits. Exit status: 0 no finding, 1 findings, 2 bad input (entry not found, wrong return
+value, a loss_fn of another signature, the model failing on the batch). --json prints the
+report as JSON (schema normprobe.diagnose/1: model, loss, findings, checks, measurements).
 """
 
 
@@ -1125,7 +1189,11 @@ def load_entry(entry: str, paths: Sequence[str] = ()) -> tuple[nn.Module, Batch,
         )
     model, batch, *rest = result
     loss_fn = rest[0] if rest else None
-    _split_batch(batch)  # a bad batch type fails here, naming the entry
+    try:  # a bad batch type or loss_fn fails here, naming the entry
+        _split_batch(batch)
+        loss_caller(loss_fn)
+    except DiagnoseInputError as err:
+        raise DiagnoseInputError(f"{entry}: {err}") from err
     return model, batch, loss_fn
 
 

@@ -115,13 +115,14 @@ def test_post_ln_top_heavy_gradients_and_deepnorm() -> None:
     stack, x = ResidualStack(48, 64, pre_ln=False), torch.randn(16, 64)
     found = diagnose(stack, x)
     assert found.measurements[tags.format("grad_ratio", "lins")] == pytest.approx(2.35, abs=0.01)
-    assert found.codes == ["post-ln-top-heavy"]
+    # a stack with top-heavy gradients needs the warmup too: both checks flag it
+    assert found.codes == ["post-ln-top-heavy", "post-ln-warmup"]
     assert "2.35" in str(found) and "deepnorm" in str(found)
 
     normprobe.reinit(stack, "deepnorm", example_inputs=(x,))
     fixed = diagnose(stack, x)
     assert fixed.measurements[tags.format("grad_ratio", "lins")] == pytest.approx(1.0, abs=0.1)
-    assert fixed.checks["post-ln-top-heavy"] == "ok"
+    assert fixed.checks["post-ln-top-heavy"] == fixed.checks["post-ln-warmup"] == "ok"
 
 
 class HeadlessPostLN(nn.Module):
