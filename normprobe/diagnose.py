@@ -443,15 +443,16 @@ def diagnose(
 ) -> Diagnosis:
     """Run one forward/backward on ``batch`` and report what looks wrong with the model.
 
-    The checks (`CHECKS`) cover norm placement (a Pre-LN stack without a final norm), gradient
-    and residual-stream profiles over depth, attention logits, BatchNorm batch sizes, norm
-    numerics in float16/bfloat16, eps placement, and initialization (ReLU chains, GPT-2 residual
-    scaling). Thresholds are this module's constants. How the low-precision check works: each
-    norm class is rerun on its captured input's shape, once in float16 with inputs of RMS 1024
-    (squares overflow float16 unless accumulated in float32) and once in bfloat16 with inputs
-    whose mean is 64 times their spread (a mean held in bfloat16 loses the spread); the output
-    is compared with the same module run in float64 on the same rounded input. A norm that
-    computes its statistics in float32 differs only by the output's rounding.
+    The checks (`CHECKS`) cover single layers whose output or gradient jumps against the same layer
+    in the other blocks (`normprobe.diagnose_layers`), norm placement (a Pre-LN stack without a
+    final norm), gradient and residual-stream profiles over depth, attention logits, BatchNorm batch
+    sizes, norm numerics in float16/bfloat16, eps placement, and initialization (ReLU chains, GPT-2
+    residual scaling). Thresholds are this module's constants. How the low-precision check works:
+    each norm class is rerun on its captured input's shape, once in float16 with inputs of RMS 1024
+    (squares overflow float16 unless accumulated in float32) and once in bfloat16 with inputs whose
+    mean is 64 times their spread (a mean held in bfloat16 loses the spread); the output is compared
+    with the same module run in float64 on the same rounded input. A norm that computes its
+    statistics in float32 differs only by the output's rounding.
 
     The model runs in training mode (``train=False``: as it is) with its own RNG state restored
     afterwards; gradients, train/eval modes and buffers (BatchNorm running statistics) are put
