@@ -94,6 +94,20 @@ def test_layer_scaled_by_1e4_is_named_with_its_block() -> None:
     assert measured["diagnose/write_std_ratio/blocks"] == pytest.approx(1.0, abs=0.05)
 
 
+def test_hugging_face_layer_is_named_by_its_module_path() -> None:
+    model, batch = _zoo("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(1e4)
+    result = diagnose(model, batch)
+    finding = result.findings[0]
+    assert finding.code == "layer-jump"
+    assert finding.paths == ("model.layers.1.mlp.down_proj",)
+    assert "(block 1 of `model.layers`)" in finding.title
+    doc = result.to_dict()
+    assert doc["checks"]["layer-jump"] == {"status": "found", "reason": None}
+    assert doc["measurements"]["diagnose/output_jump/model.layers.1.mlp.down_proj"] > 1e3
+
+
 class Scaled(nn.Module):
     """``inner(x) * scale``: a scale in a block's code, not in a weight."""
 
