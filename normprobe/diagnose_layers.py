@@ -249,6 +249,10 @@ def without_jumps(profile: list[float | None], jumps: list[Jump]) -> list[float]
     return out
 
 
+def _outputs(group: list[Jump]) -> bool:
+    return any(j.layer and j.kind == "output" for j in group)
+
+
 def _group(jumps: list[Jump]) -> list[list[Jump]]:
     """One group per culprit layer; a block's step joins a layer of that block that jumps."""
     groups: dict[str, list[Jump]] = {}
@@ -258,7 +262,7 @@ def _group(jumps: list[Jump]) -> list[list[Jump]]:
     for j in jumps:
         if not j.layer:
             host = next(
-                (p for p, g in groups.items() if g[0].layer and g[0].block == j.block), j.path
+                (p for p, g in groups.items() if g[0].block == j.block and _outputs(g)), j.path
             )
             groups.setdefault(host, []).append(j)
     return list(groups.values())
