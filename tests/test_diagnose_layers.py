@@ -40,11 +40,11 @@ def test_role_puts_block_indices_as_stars() -> None:
     assert role("3") == "*"
 
 
-def _resnet34() -> tuple[nn.Module, torch.Tensor]:
-    import timm
+def _resnet() -> tuple[nn.Module, torch.Tensor]:
+    from timm.models.resnet import BasicBlock, ResNet
 
-    # 3, 4, 6, 3 blocks per stage: peers to compare (resnet18's 2 per stage have one each)
-    return timm.create_model("resnet34", num_classes=10), torch.randn(8, 3, 32, 32)
+    # 3 blocks in the first stage: peers to compare (resnet18's 2 per stage have one each)
+    return ResNet(BasicBlock, [3, 2, 2, 2], num_classes=10), torch.randn(8, 3, 32, 32)
 
 
 def _zoo(name: str) -> tuple[nn.Module, Any]:
@@ -58,7 +58,7 @@ HEALTHY = {
     "gpt2": lambda: _zoo("gpt2"),
     "llama": lambda: _zoo("llama"),
     "vit": lambda: _zoo("vit"),
-    "resnet34": _resnet34,
+    "resnet": _resnet,
 }
 
 
