@@ -174,7 +174,7 @@ def main() -> None:
             tokens,
             lambda m: m.loss(tokens, tokens),
         ),
-        "tutorial stack, 48 blocks, width 64, 1024 rows": (
+        "ResidualStack, 48 blocks, width 64, 1024 rows": (
             lambda: ResidualStack(48, 64),
             rows,
             lambda m: m(rows).pow(2).mean(),

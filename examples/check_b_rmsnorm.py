@@ -6,9 +6,10 @@ LayerNorm re-centers.
 A LayerNorm (d = 64, gain 1, bias 0) is converted to `nn.RMSNorm` by `convert_norms`, which keeps
 its gain and eps. On rows with zero mean the two compute the same thing: the mean square is
 the variance. Then every entry of a row is shifted by a constant c: LayerNorm subtracts the mean
-and barely moves, RMSNorm only divides by the root mean square and changes. The tutorial
-measured, on `torch.manual_seed(0)`'s `randn(8, 64)` and c = 5: LayerNorm |Δ| = 9.54e-07, RMSNorm
-|Δ| = 3.05.
+and barely moves, RMSNorm only divides by the root mean square and changes (Zhang & Sennrich
+2019, "Root Mean Square Layer Normalization", drop the re-centering on purpose). On
+`torch.manual_seed(0)`'s `randn(8, 64)` and c = 5 this script measures LayerNorm |Δ| = 9.54e-07,
+RMSNorm |Δ| = 3.05.
 """
 
 from __future__ import annotations

@@ -3,12 +3,15 @@ read through the probe's `grad_norm` metric.
 
     python examples/check_d_grad_ratio.py [--expect NAME=VALUE ...]
 
-The tutorial's stack: 48 blocks of one LayerNorm and one Linear (width 64) and a final linear
+The stack: 48 blocks of one LayerNorm and one Linear (width 64) and a final linear
 head (`normprobe.models.ResidualStack`), `torch.manual_seed(0)`, input `randn(16, 64)`, loss
 `out.pow(2).mean()`, one forward and backward. `normprobe.attach(..., metrics=["grad_norm"])`
 reads every block's gradient norm at `probe.step()` and reports the last/first block ratio as
-`normprobe/grad_ratio/<stack>`. The tutorial measured 0.40 for Pre-LN (bottom-heavy) and 2.35 for
-Post-LN (top-heavy); expected to two decimals (± 0.005). Discovery must also name the placements.
+`normprobe/grad_ratio/<stack>`. This script measures 0.40 for Pre-LN (bottom-heavy) and 2.35 for
+Post-LN (top-heavy), expected to two decimals (± 0.005): skews of comparable size in opposite
+directions. Large Post-LN gradients near the output at initialization are what Xiong et al. 2020
+("On Layer Normalization in the Transformer Architecture") derive, and why Post-LN needs a
+learning-rate warmup. Discovery must also name the placements.
 """
 
 from __future__ import annotations

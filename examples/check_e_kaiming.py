@@ -6,9 +6,10 @@ ReLU layer; Xavier, made for linear layers, halves it.
 Linear(512, 512) + ReLU on 4096 rows with E[x^2] = 1; measured is the post-ReLU second moment
 E[y^2] (the signal energy the next layer receives; not Var(y), which ReLU's non-zero mean makes
 about 0.68). `reinit(..., "kaiming")` (defaults: fan_in, nonlinearity="relu") draws
-std sqrt(2/fan_in): E[y^2] = 1.000 in the tutorial. `reinit(..., "xavier")` (gain 1, the
-"linear" default) draws std sqrt(2/(fan_in + fan_out)), which is sqrt(1/fan_in) on this square
-layer: the tutorial's "Xavier for ReLU", E[y^2] = 0.499. Tolerance ± 0.03. The same schemes on
+std sqrt(2/fan_in), He et al. 2015's factor 2 for the half ReLU zeroes: E[y^2] = 1.000 expected.
+`reinit(..., "xavier")` (Glorot & Bengio 2010; gain 1, the "linear" default) draws
+std sqrt(2/(fan_in + fan_out)), which is sqrt(1/fan_in) on this square layer: Xavier's scale
+under a ReLU keeps half, E[y^2] = 0.499 expected. Tolerance ± 0.03. The same schemes on
 ten such layers show the per-layer factor (E[y^2] ** (1/10)): about 1 and 0.5 (± 0.05).
 """
 

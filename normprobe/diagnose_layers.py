@@ -30,7 +30,7 @@ from .discovery.trace import iter_tensors
 
 # A healthy model's gains stay near their peers' median: at init the peers draw their weights
 # from one distribution. The largest factor measured at init on TinyTransformer (Pre-LN, Post-LN,
-# sandwich), the tutorial's 48-block stacks, HF GPT-2 and Llama, timm ViT, ConvNeXt, ResNet-34/50
+# sandwich), the 48-block `ResidualStack`s, HF GPT-2 and Llama, timm ViT, ConvNeXt, ResNet-34/50
 # and the 51 architectures of the real-architecture tests is 2.4 (the README's table); a bug's
 # scale is orders larger (1e4 in the tests). 10x keeps a margin of 4 above healthy.
 JUMP_MIN = 10.0

@@ -1,8 +1,8 @@
 """Small reference models for the demo, the examples and the benchmarks.
 
-`ResidualStack` is the deep stack of the tutorial normprobe's checks come from: identical
-residual blocks of one LayerNorm and one Linear, kept in two parallel ModuleLists, with a final
-linear head. `TinyTransformer` is a GPT-style causal language model whose norm placement
+`ResidualStack` is the deep stack of sanity check [d] (``examples/check_d_grad_ratio.py``):
+identical residual blocks of one LayerNorm and one Linear, kept in two parallel ModuleLists, with
+a final linear head. `TinyTransformer` is a GPT-style causal language model whose norm placement
 (Pre-LN, Post-LN, sandwich) and QK-norm are options.
 """
 

@@ -55,7 +55,9 @@ POSITIONS = ("post-attention", "post-ffn")
 HYBRIDNORM: Mapping[str, Target | None] = MappingProxyType(
     {"post-attention": "layernorm", "*": "rmsnorm"}
 )
-"""The lecture's HybridNorm: LayerNorm right after attention, RMSNorm everywhere else."""
+"""LayerNorm right after attention, RMSNorm everywhere else: norm kinds mixed by position, named
+after HybridNorm (Zhuo et al. 2025), whose own block mixes placements instead (QKV normalization
+in attention, Post-Norm in the feed-forward)."""
 
 M = TypeVar("M", bound=nn.Module)
 Policy = Mapping[str, Target | str | None]
@@ -224,7 +226,7 @@ def convert_norms(
             (``"*.ln_2"``), a discovery role (`ROLES`), a position (``"post-attention"``,
             ``"post-ffn"``: the first norm the attention / feed-forward output passes through),
             or ``"*"`` for the rest. Globs win over positions, positions over roles, roles over
-            ``"*"``; among globs the first listed wins. `HYBRIDNORM` is the lecture's policy.
+            ``"*"``; among globs the first listed wins. `HYBRIDNORM` is a ready-made policy.
         include: path globs; only matching layers are converted.
         exclude: path globs; matching layers are left alone.
         eps: eps for every new layer (default: each old layer's own).

@@ -110,8 +110,8 @@ def test_pre_ln_without_a_final_norm() -> None:
 
 
 def test_post_ln_top_heavy_gradients_and_deepnorm() -> None:
-    # the seeds' check [d]: 48 blocks of width 64, batch 16, loss mean(out²): last/first block
-    # gradient norm 2.35 for Post-LN; DeepNorm's init brings it to about 1
+    # sanity check [d]'s stack: 48 blocks of width 64, batch 16, loss mean(out²): last/first block
+    # gradient norm 2.35 for Post-LN; DeepNorm's init (Wang et al. 2022) brings it to about 1
     stack, x = ResidualStack(48, 64, pre_ln=False), torch.randn(16, 64)
     found = diagnose(stack, x)
     assert found.measurements[tags.format("grad_ratio", "lins")] == pytest.approx(2.35, abs=0.01)
@@ -230,8 +230,8 @@ def test_eps_outside_the_square_root() -> None:
 
 
 def test_relu_net_initialized_for_tanh() -> None:
-    # the seeds' check [e]: Linear+ReLU with Var(W) = 1/fan_in keeps E[y²] = E[x²]/2 per layer,
-    # Kaiming's 2/fan_in keeps E[y²] = E[x²]
+    # as in sanity check [e]: Linear+ReLU with Var(W) = 1/fan_in keeps E[y²] = E[x²]/2 per layer,
+    # Kaiming's 2/fan_in (He et al. 2015) keeps E[y²] = E[x²]
     x = torch.randn(64, 128)
     found = diagnose(relu_mlp(1.0), x)
     assert found.codes == ["relu-init"]

@@ -62,7 +62,7 @@ def test_check_script_passes(label: str, tmp_path: Path) -> None:
     assert verdicts(label, done.stdout) == dict.fromkeys(names, "OK"), done.stdout
     assert done.stdout.rstrip().endswith(f"check [{label}] passed")
     assert list(tmp_path.iterdir()) == []  # event files went to a temporary directory
-    if label == "d":  # the tutorial's numbers, to two decimals
+    if label == "d":  # Pre-LN 0.40 and Post-LN 2.35, to two decimals
         assert round(measured("d", "pre_ln_ratio", done.stdout), 2) == 0.40
         assert round(measured("d", "post_ln_ratio", done.stdout), 2) == 2.35
 

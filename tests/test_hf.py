@@ -94,7 +94,7 @@ def test_every_overrides_the_logging_steps(tmp_path: Path) -> None:
 
 
 class _Wrapped(nn.Module):
-    """The tutorial's stack as a Trainer model: ``forward(x)`` returns the loss mean(out^2)."""
+    """Sanity check [d]'s stack as a Trainer model: ``forward(x)`` returns the loss mean(out^2)."""
 
     def __init__(self, pre_ln: bool) -> None:
         super().__init__()
@@ -106,11 +106,11 @@ class _Wrapped(nn.Module):
 
 
 @pytest.mark.parametrize(("pre_ln", "expected"), [(True, 0.40), (False, 2.35)])
-def test_the_seeds_gradient_ratio_through_the_trainer(
+def test_the_stack_gradient_ratio_through_the_trainer(
     tmp_path: Path, pre_ln: bool, expected: float
 ) -> None:
     model = _Wrapped(pre_ln)
-    x = torch.randn(16, 64)  # the tutorial's input, drawn right after the stack
+    x = torch.randn(16, 64)  # check [d]'s input, drawn right after the stack
     data = [{"x": row} for row in x]
     callback = NormProbeCallback(metrics=["grad_norm"])
     # one step over the whole batch; clipping (max_grad_norm 1.0) scales every block alike

@@ -197,7 +197,7 @@ def test_batchnorm_stats_by_hand() -> None:
 
 
 def test_batchnorm_train_eval_gap_matches_the_module() -> None:
-    # The tutorial's check [c]: after a few batches the running statistics differ from the
+    # As in sanity check [c]: after a few batches the running statistics differ from the
     # batch's, so train-mode and eval-mode outputs differ on the same batch.
     bn = nn.BatchNorm1d(16)
     x = torch.randn(64, 16) * 3 + 7

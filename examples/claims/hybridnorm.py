@@ -1,5 +1,5 @@
-"""HybridNorm (the lecture; Zhuo et al.): LayerNorm right after attention and RMSNorm everywhere
-else trains as well as LayerNorm-only, at less cost.
+"""`normprobe.HYBRIDNORM` (LayerNorm right after attention, RMSNorm everywhere else) trains as well
+as LayerNorm-only, at less cost.
 
     python examples/claims/hybridnorm.py [--quick] [--seeds 3] [--steps 500] [--rounds 20]
                                          [--out DIR]
@@ -19,6 +19,11 @@ LayerNorm-only's by more than the spread of the ratio; reproduced when its loss 
 that way and its compiled step is faster by more than the spread; otherwise not reproduced at
 this scale. Cost is judged compiled, as in ``rmsnorm_cost.py`` (eager torch runs LayerNorm and
 RMSNorm through different hand-written CPU kernels); the eager step is reported beside it.
+
+The policy mixes norm kinds by position and is named after HybridNorm (Zhuo et al. 2025,
+"HybridNorm: Towards Stable and Efficient Transformer Training via Hybrid Normalization"), whose
+block mixes placements instead (QKV normalization in attention, Post-Norm in the FFN); that block
+is not what is measured here.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ CLAIM = _claims.Claim(
         "HybridNorm (LayerNorm after attention, RMSNorm elsewhere) trains as well as "
         "LayerNorm-only at less cost"
     ),
-    source="the lecture; Zhuo et al.",
+    source="a mixed-kind reading of Zhuo et al. 2025, HybridNorm",
     setting=(
         "Pre-LN TinyTransformer (width 64, depth 4, context 32), AdamW lr 1e-3, batch 16, "
         "built-in corpus; step time on the CPU, eager and torch.compile, interleaved"

@@ -1,5 +1,5 @@
-"""Pre-LN's representation collapse: deep Pre-LN blocks barely change the stream (the lecture,
-slide 14).
+"""Pre-LN's representation collapse: deep Pre-LN blocks barely change the stream (Xie et al. 2023,
+"ResiDual: Transformer with Dual Residual Connections").
 
     python examples/claims/representation_collapse.py [--quick] [--seeds 3] [--steps 300]
 
@@ -21,7 +21,8 @@ Decision rule ("apart": the means differ by more than the two spreads together,
 * contradicted: Post-LN's deeper-half cosine is apart above Pre-LN's;
 * otherwise not reproduced at this scale.
 
-DeepNorm is measured alongside and reported, not judged: the lecture has it keep Post-LN's
+DeepNorm is measured alongside and reported, not judged: it is a Post-LN made trainable at depth
+(Wang et al. 2022, "DeepNet: Scaling Transformers to 1,000 Layers"), so it should keep Post-LN's
 behaviour.
 """
 
@@ -39,7 +40,7 @@ from normprobe.corpus import CharCorpus
 CLAIM = _claims.Claim(
     key="representation_collapse",
     statement="Pre-LN's deep blocks collapse: consecutive blocks' streams are nearly parallel",
-    source="the lecture, slide 14",
+    source="Xie et al. 2023, ResiDual",
     setting="",
 )
 VARIANTS = ("Pre-LN", "Post-LN", "DeepNorm")
