@@ -144,6 +144,7 @@ class ReinitReport:
 
 def _row(c: TensorInit) -> tuple[str, str, str]:
     path = c.path + (f"[{c.outputs[0]}:{c.outputs[1]}]" if c.outputs else "")
+    path += f" (also {', '.join(c.aliases)})" if c.aliases else ""
     setting = str(c.treatment) + (" (new)" if c.created else "")
     return path, setting, c.treatment.formula or "-"
 

@@ -14,50 +14,16 @@ from typing import Any
 
 import pytest
 import torch
+from checks import check_reinit_report
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 import normprobe
-from normprobe import ReinitReport, TensorInit, reinit, reinit_with_report
-from normprobe.init import out_in_view
+from normprobe import reinit, reinit_with_report
 from normprobe.models import TinyTransformer
 
 IDS = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
-
-
-def applied(model: nn.Module, change: TensorInit) -> torch.Tensor:
-    """The tensor a change names (a parametrized weight as the layer applies it), laid out
-    (out, in, ...) and cut to the change's output rows."""
-    owner, _, name = change.path.rpartition(".")
-    module = model.get_submodule(owner)
-    tensor = getattr(module, name).detach()
-    if change.outputs is None:
-        return tensor
-    start, stop = change.outputs
-    return out_in_view(module, tensor)[start:stop]
-
-
-def check(model: nn.Module, report: ReinitReport) -> None:
-    """Every reported number is the one the tensor holds; every parameter is named once."""
-    for change in report.changed + report.scalers:
-        got = applied(model, change)
-        t = change.treatment
-        if t.how == "constant":
-            assert torch.all(got == t.value), f"{change.path}: not all {t.value}"
-            continue
-        assert t.std is not None
-        rms = got.float().pow(2).mean().sqrt().item()
-        tolerance = 4 / math.sqrt(2 * got.numel())
-        assert abs(rms / t.std - 1) < tolerance, f"{change.path}: rms {rms:.5f}, reported {t}"
-        if t.how == "uniform":
-            assert got.abs().max().item() <= t.std * math.sqrt(3) * (1 + 1e-6)
-    named: list[str] = []
-    for path in dict.fromkeys(c.path for c in report.changed):
-        change = next(c for c in report.changed if c.path == path)
-        named += change.parameters or [path]
-    named += [path for path, _ in report.left]
-    assert sorted(named) == sorted(n for n, _ in model.named_parameters())
 
 
 def quiet(call: Any, *args: Any, **kwargs: Any) -> Any:
@@ -69,7 +35,7 @@ def quiet(call: Any, *args: Any, **kwargs: Any) -> Any:
 def test_gpt2_on_a_tiny_transformer_reports_the_std_it_drew() -> None:
     torch.manual_seed(0)
     model, report = reinit_with_report(TinyTransformer(depth=6), "gpt2", example_inputs=(IDS,))
-    check(model, report)
+    check_reinit_report(model, report)
     by_path = {c.path: c.treatment for c in report.changed}
     proj = by_path["blocks.3.mlp.proj.weight"]
     assert proj.std == pytest.approx(0.02 / math.sqrt(12)) and proj.formula == "0.02/sqrt(2*6)"
@@ -104,25 +70,35 @@ def _hf_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=96, n_positions=32, n_embd=64, n_layer=3, n_head=4)
+    config = GPT2Config(
+        vocab_size=96,
+        n_positions=32,
+        n_embd=64,
+        n_layer=3,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
 def test_gpt2_on_hugging_face_gpt2_names_the_tied_head_once() -> None:
     model, report = quiet(reinit_with_report, _hf_gpt2(), "gpt2")
-    check(model, report)
+    check_reinit_report(model, report)
     wte = next(c for c in report.changed if c.path == "transformer.wte.weight")
     assert wte.aliases == ("lm_head.weight",)
     c_proj = [c for c in report.changed if c.path.endswith("mlp.c_proj.weight")]
     assert [c.treatment.formula for c in c_proj] == ["0.02/sqrt(2*3)"] * 3
-    assert "transformer.h.{0..2}.attn.c_proj.weight" in str(report)
+    rows = [" ".join(line.split()) for line in str(report).splitlines()]
+    assert "transformer.h.{0..2}.attn.c_proj.weight normal std 0.008165 0.02/sqrt(2*3)" in rows
+    assert "transformer.wte.weight (also lm_head.weight) normal std 0.02 std=0.02" in rows
 
 
 def test_deepnorm_reports_each_third_of_a_fused_qkv_and_the_fixed_scalers() -> None:
     torch.manual_seed(0)
     model = TinyTransformer(depth=6, placement="post")
     model, report = reinit_with_report(model, "deepnorm", example_inputs=(IDS,))
-    check(model, report)
+    check_reinit_report(model, report)
     alpha, beta = normprobe.init.deepnorm_constants(6)
     qkv = [c for c in report.changed if c.path == "blocks.2.attn.qkv.weight"]
     assert [c.outputs for c in qkv] == [(0, 64), (64, 128), (128, 192)]
@@ -147,7 +123,7 @@ def _resnet() -> nn.Module:
 def test_fixup_on_a_resnet_reports_he_times_its_depth_factor_and_the_new_scalars() -> None:
     images = torch.randn(2, 3, 32, 32)
     model, report = reinit_with_report(_resnet(), "fixup", example_inputs=(images,))
-    check(model, report)
+    check_reinit_report(model, report)
     by_path = {c.path: c for c in report.changed}
     conv1 = by_path["layer2.1.conv1.inner.weight"].treatment  # 32 * 3 * 3 outputs
     assert conv1.std == pytest.approx(math.sqrt(2 / (32 * 9)) * 8**-0.5)
@@ -167,7 +143,7 @@ def test_fixup_on_a_resnet_reports_he_times_its_depth_factor_and_the_new_scalars
 def test_fixup_says_it_left_a_tied_head() -> None:
     with pytest.warns(UserWarning, match="shared with"):
         model, report = quiet(reinit_with_report, _hf_gpt2(), "fixup", allow_norms=True)
-    check(model, report)
+    check_reinit_report(model, report)
     why = dict(report.left)["transformer.wte.weight"]
     assert why == "the head, tied to 'transformer.wte': fixup leaves it (zeroing it zeroes both)"
 
@@ -179,13 +155,13 @@ def test_kaiming_and_xavier_report_the_fans_and_leave_embeddings(distribution: s
     model, report = reinit_with_report(
         model, "kaiming", example_inputs=(IDS,), distribution=distribution, mode="fan_out"
     )
-    check(model, report)
+    check_reinit_report(model, report)
     fc2 = next(c.treatment for c in report.changed if c.path == "blocks.1.mlp.proj.weight")
     assert fc2.how == distribution and fc2.std == pytest.approx(math.sqrt(2 / 64))
     assert fc2.formula == "1.414/sqrt(fan_out 64)"
     assert dict(report.left)["pos.weight"] == "embedding: kaiming leaves embeddings as they are"
     model, report = reinit_with_report(model, "xavier", example_inputs=(IDS,), gain=2.0)
-    check(model, report)
+    check_reinit_report(model, report)
     fc = next(c.treatment for c in report.changed if c.path == "blocks.0.mlp.fc.weight")
     assert fc.std == pytest.approx(2 * math.sqrt(2 / (64 + 256)))
 
@@ -194,7 +170,7 @@ def test_zero_branch_says_what_is_no_branch_end() -> None:
     model, report = reinit_with_report(
         TinyTransformer(depth=2), "zero_branch", example_inputs=(IDS,)
     )
-    check(model, report)
+    check_reinit_report(model, report)
     assert {c.path for c in report.changed} == {
         f"blocks.{i}.{m}.proj.{p}"
         for i in range(2)
@@ -216,7 +192,7 @@ def test_a_parametrized_weight_is_reported_with_the_parameters_it_comes_from() -
     parametrize.register_parametrization(model.blocks[1].mlp.fc, "weight", _Doubled())
     with pytest.warns(UserWarning, match="keeps its value"):
         model, report = reinit_with_report(model, "kaiming", example_inputs=(IDS,))
-    check(model, report)
+    check_reinit_report(model, report)
     normed = next(c for c in report.changed if c.path == "blocks.0.mlp.fc.weight")
     assert normed.parameters == (
         "blocks.0.mlp.fc.parametrizations.weight.original0",
