@@ -20,12 +20,14 @@ from .init import (
     branch_scales,
     insert_branch_scale,
     reinit,
+    reinit_with_report,
     remove_branch_scale,
 )
 from .layers import DyT
 from .metrics import Flag
 from .metrics.attn_logits_head import qk_clip_factors
 from .muparam import CoordTable, MupShape, coord_check, mup, mup_param_groups, mup_shapes
+from .reinit_report import ReinitReport, TensorInit
 from .report import RunReport, Trend, find_runs
 from .report import report as report_run
 from .runtime import METRICS, Probe, Spikes, attach, attached_probe
@@ -76,12 +78,14 @@ __all__ = [
     "NormProbe",
     "Probe",
     "Record",
+    "ReinitReport",
     "ResidualAdd",
     "RunReport",
     "Sink",
     "Spikes",
     "Stack",
     "TensorBoardSink",
+    "TensorInit",
     "Trend",
     "__version__",
     "attach",
@@ -102,6 +106,7 @@ __all__ = [
     "mup_shapes",
     "qk_clip_factors",
     "reinit",
+    "reinit_with_report",
     "remove_branch_scale",
     "report_run",
 ]

@@ -10,11 +10,13 @@ is found by its attribute name.
 from __future__ import annotations
 
 import math
+import re
+import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, cast, get_args
+from typing import Any, Literal, NamedTuple, TypeVar, cast, get_args
 
 import torch
 from torch import nn
@@ -37,6 +39,15 @@ from .discovery.mapping import read_only
 from .discovery.model_map import Action
 from .discovery.state import preserved
 from .discovery.trace import first_float, iter_tensors, replace_at
+from .reinit_report import (
+    Recorder,
+    ReinitReport,
+    constant,
+    kaiming,
+    normal,
+    scaled,
+    xavier,
+)
 
 Scheme = Literal["gpt2", "fixup", "deepnorm", "kaiming", "xavier", "zero_branch"]
 BranchScaleKind = Literal["rezero", "layerscale", "skipinit"]
@@ -52,6 +63,14 @@ _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, *_TRANSPOSED_CONVS)
 # --------------------------------------------------------------------------------------------
 # Weight layouts
 # --------------------------------------------------------------------------------------------
+
+
+def _warn(message: str) -> None:
+    """A UserWarning at the caller's line: the first frame outside this module."""
+    level, frame = 2, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, UserWarning, level)
 
 
 def is_transposed(module: nn.Module) -> bool:
@@ -129,31 +148,32 @@ def _set_weight_norm(g: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, dim
     g.copy_(norm)
 
 
-def _assign(module: nn.Module, name: str, value: torch.Tensor) -> None:
+def _assign(module: nn.Module, name: str, value: torch.Tensor) -> bool:
     """Make ``module``'s parametrized tensor ``name`` equal ``value``: weight norm's g and v
-    in place; any other parametrization through its ``right_inverse``."""
+    in place; any other parametrization through its ``right_inverse``. False (with a warning)
+    where the parametrization cannot take it."""
     hooks = _weight_norm_hooks(module)
     if name in hooks:
         with torch.no_grad():
             g, v = getattr(module, f"{name}_g"), getattr(module, f"{name}_v")
             _set_weight_norm(g, v, value, hooks[name].dim)
         setattr(module, name, hooks[name].compute_weight(module))  # as the hook's next call does
-        return
+        return True
     chain = _chains(module)[name]
     with torch.no_grad():
         if len(chain) == 1 and isinstance(chain[0], _WeightNorm):
             g, v = chain.original0, chain.original1
             _set_weight_norm(cast(torch.Tensor, g), cast(torch.Tensor, v), value, chain[0].dim)
-            return
+            return True
         try:
             setattr(module, name, value.clone())
         except (RuntimeError, NotImplementedError) as err:
-            warnings.warn(
+            _warn(
                 f"{type(module).__name__}.{name} keeps its value: its parametrization cannot "
-                f"be set to a given tensor ({err})",
-                UserWarning,
-                stacklevel=4,
+                f"be set to a given tensor ({err})"
             )
+            return False
+    return True
 
 
 class _Applied:
@@ -182,10 +202,27 @@ class _Applied:
         sources = {f"{name}_{part}" for name in hooks for part in "gv"}
         return found + [(n, p) for n, p in _direct(module) if n not in sources]
 
-    def commit(self) -> None:
-        for (_, name), (module, value, version) in self._copies.items():
-            if value._version != version:
-                _assign(module, name, value)
+    def commit(self) -> list[torch.Tensor]:
+        """Write the changed copies back; the copies that could not be written."""
+        return [
+            value
+            for (_, name), (module, value, version) in self._copies.items()
+            if value._version != version and not _assign(module, name, value)
+        ]
+
+    def parametrized(self, model: nn.Module) -> dict[int, tuple[str, tuple[nn.Parameter, ...]]]:
+        """id of each copy -> (its path in ``model``, the parameters it is computed from)."""
+        paths = {id(m): p for p, m in model.named_modules()}
+        found = {}
+        for (_, name), (module, value, _) in self._copies.items():
+            hooks, chains = _weight_norm_hooks(module), _chains(module)
+            if name in hooks:
+                sources = tuple(getattr(module, f"{name}_{part}") for part in "gv")
+            else:
+                sources = tuple(chains[name].parameters())
+            path = paths[id(module)]
+            found[id(value)] = (f"{path}.{name}" if path else name, sources)
+        return found
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,6 +469,7 @@ class _Target:
             self.args, self.kwargs = example_call(model)
         self._map = model_map
         self.applied = _Applied()  # reinit commits it after the scheme ran
+        self.rec = Recorder()  # what the scheme set, for reinit_with_report
         if model_map is not None:
             self._check_map(model_map)
 
@@ -556,7 +594,7 @@ class _Target:
         as it is."""
         for n in self.map.norms:
             if n.kind != "unknown":
-                _set_norm(self.module(n.path), n, gain=1.0)
+                _set_norm(self, n, gain=1.0)
 
     def require_inputs(self, why: str) -> None:
         if not self.has_inputs:
@@ -585,20 +623,24 @@ class _Target:
         return order
 
 
-def _set_norm(module: nn.Module, norm: NormLayer, gain: float) -> None:
+def _set_norm(t: _Target, norm: NormLayer, gain: float) -> None:
     offset = norm.gain_offset or 0.0
+    as_gain = f"norm gain {gain:g}" + (f" as {offset:g} + weight" if offset else "")
     with torch.no_grad():
-        for name, p in _direct(module):
+        for name, p in _direct(t.module(norm.path)):
             if _is_bias_name(name):
                 p.zero_()
+                t.rec.record(p, constant(0.0, "norm bias"))
             else:
                 p.fill_(gain - offset)
+                t.rec.record(p, constant(gain - offset, as_gain))
 
 
-def _zero(t: _Target, module: nn.Module) -> None:
+def _zero(t: _Target, module: nn.Module, why: str) -> None:
     with torch.no_grad():
         for _, p in t.applied.of(module):
             p.zero_()
+            t.rec.record(p, constant(0.0, why))
 
 
 def _parent_wrapper(model: nn.Module, path: str) -> nn.Module | None:
@@ -774,7 +816,7 @@ def reinit(
         **options: the scheme's options, listed above.
 
     Returns:
-        ``model``.
+        ``model``. `reinit_with_report` returns a report of what it set too.
 
     Raises:
         ValueError: unknown scheme or option, an option out of range, or a scheme that needs
@@ -787,6 +829,41 @@ def reinit(
 
         >>> normprobe.reinit(model, "gpt2", example_inputs=(ids,))
         >>> normprobe.reinit(resnet, "fixup", example_inputs=(images,))
+        >>> model, report = normprobe.reinit_with_report(model, "gpt2", example_inputs=(ids,))
+    """
+    changed, _ = reinit_with_report(
+        model,
+        scheme,
+        example_inputs=example_inputs,
+        example_kwargs=example_kwargs,
+        model_map=model_map,
+        **options,
+    )
+    return changed
+
+
+def reinit_with_report(
+    model: ModuleT,
+    scheme: Scheme,
+    *,
+    example_inputs: Sequence[Any] | Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    model_map: ModelMap | None = None,
+    **options: Any,
+) -> tuple[ModuleT, ReinitReport]:
+    """`reinit`, also returning a report of what each tensor was set to and what was left.
+
+    Takes the same arguments, and raises the same errors, as `reinit`. The report's numbers are
+    the ones applied: each drawn tensor's std (and the formula it comes from, such as
+    ``0.02/sqrt(2*12)``), each constant's value, and why every other parameter was left.
+
+    Returns:
+        ``(model, report)``: the model as `reinit` returns it, and a `ReinitReport`.
+
+    Example::
+
+        >>> model, report = normprobe.reinit_with_report(model, "gpt2", example_inputs=(ids,))
+        >>> print(report)
     """
     key = str(scheme).lower().replace("-", "").replace("_", "")
     if key not in _ALIASES:
@@ -806,9 +883,49 @@ def reinit(
         if name == "deepnorm" and chosen["alpha"] is not None and chosen["beta"] is not None:
             depth = False  # both constants given: N is not used
         t.refuse_doubts("reinit", depth, _REINIT_WAY_OUT[depth])
+    before = {id(p) for p in model.parameters()}
     _SCHEMES[name](t, **chosen)
-    t.applied.commit()
-    return model
+    for kept in t.applied.commit():
+        t.rec.undo(kept, "its parametrization cannot be set to a given tensor: kept its value")
+    parametrized = t.applied.parametrized(model)
+    return model, t.rec.report(model, name, chosen, parametrized, before, _LeftWhy(t, name))
+
+
+class _LeftWhy:
+    """Why ``scheme`` left a parameter alone, from the module holding it."""
+
+    def __init__(self, t: _Target, scheme: str) -> None:
+        self.t, self.scheme = t, scheme
+        self.norms = {id(_unwrapped(t.module(n.path))): n for n in t.map.norms}
+        self.layers = {id(m) for _, m in t.weight_layers()}
+
+    def __call__(self, name: str) -> str:
+        owner = re.sub(r"(^|\.)parametrizations\.[^.]+$", "", name.rpartition(".")[0])
+        module = self.t.module(owner)
+        scheme = self.scheme
+        norm = self.norms.get(id(module))
+        if norm is not None:
+            if norm.kind == "unknown":
+                return "a norm of unknown kind: left as it is"
+            return f"norm layer: {scheme} keeps norm gains and biases"
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+            return f"embedding: {scheme} leaves embeddings as they are"
+        if isinstance(module, _Wrapper):
+            return f"the scale of a {type(module).__name__}: {scheme} leaves it"
+        if id(module) in self.layers:
+            return _LEFT_LAYERS.get(scheme, f"{scheme} does not re-initialize it")
+        return f"a parameter of {type(module).__name__}, which is no weight layer"
+
+
+_LEFT_LAYERS = {
+    "zero_branch": "not the last module of a residual branch",
+    "deepnorm": "not on a residual branch",
+    "fixup": "neither on a residual branch, a projection shortcut nor the head",
+}
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    return module.inner if isinstance(module, _Wrapper) else module
 
 
 # The schemes acting on residual branches, and those of them that scale by the depth N.
@@ -862,16 +979,14 @@ def _scheme_gpt2(t: _Target, *, std: Any, n_layers: Any) -> None:
     writers = {q: (n or t.depth(a)) for a in adds for q in a.writer_params}
     for a in adds:
         if a.branch_layers and (not a.writers or a.open_path):  # a weightless one has no std
-            warnings.warn(
+            _warn(
                 f"{t.what}: the branch of the residual add {a.module or '<root>'}#{a.ordinal} "
                 + (
                     "has no weight layer writing into the stream"
                     if not a.writers
                     else "reaches the add on a path without a weight layer"
                 )
-                + "; what it adds keeps std, not std/sqrt(2N)",
-                UserWarning,
-                stacklevel=4,
+                + "; what it adds keeps std, not std/sqrt(2N)"
             )
     seen: set[int] = set()
     with torch.no_grad():
@@ -882,26 +997,34 @@ def _scheme_gpt2(t: _Target, *, std: Any, n_layers: Any) -> None:
                 seen.add(id(p))
                 if _is_bias_name(name):
                     nn.init.zeros_(p)
+                    t.rec.record(p, constant(0.0, "bias"))
                 elif p.ndim >= 2:
-                    qualified = f"{path}.{name}" if path else name
-                    scale = math.sqrt(2 * writers[qualified]) if qualified in writers else 1.0
+                    depth = writers.get(f"{path}.{name}" if path else name)
+                    scale = math.sqrt(2 * depth) if depth else 1.0
                     nn.init.normal_(p, 0.0, std / scale)
-                # a vector that is no bias (RecurrentGemma's learned decay) keeps its own init
+                    why = f"{std:g}/sqrt(2*{depth})" if depth else f"std={std:g}"
+                    t.rec.record(p, normal(std / scale, why))
+                else:  # a vector that is no bias (RecurrentGemma's learned decay)
+                    t.rec.leave(p, "a vector of a weight layer that is no bias: gpt2 keeps it")
             if isinstance(m, nn.Embedding) and m.padding_idx is not None:
                 dict(t.applied.of(m))["weight"][m.padding_idx].zero_()
+                t.rec.notes.append(f"{path}.weight: row {m.padding_idx} (padding_idx) set to 0")
     t.reset_norms()
 
 
 def _scheme_kaiming(t: _Target, *, mode: Any, nonlinearity: Any, a: Any, distribution: Any) -> None:
     mode = _choice("mode", mode, ("fan_in", "fan_out"))
     distribution = _choice("distribution", distribution, ("normal", "uniform"))
-    _gain_for(nonlinearity, a)
+    gain = _gain_for(nonlinearity, a)
     init = nn.init.kaiming_normal_ if distribution == "normal" else nn.init.kaiming_uniform_
     for m, p in t.layer_params():
         if p.ndim >= 2:
-            init(out_in_view(m, p), a=a, mode=mode, nonlinearity=nonlinearity)
+            view = out_in_view(m, p)
+            init(view, a=a, mode=mode, nonlinearity=nonlinearity)
+            t.rec.record(p, kaiming(view, mode, gain, distribution, f"{gain:.4g}"))
         else:
             nn.init.zeros_(p)
+            t.rec.record(p, constant(0.0, "bias"))
     t.reset_norms()
 
 
@@ -911,9 +1034,12 @@ def _scheme_xavier(t: _Target, *, gain: Any, nonlinearity: Any, distribution: An
     init = nn.init.xavier_normal_ if distribution == "normal" else nn.init.xavier_uniform_
     for m, p in t.layer_params():
         if p.ndim >= 2:
-            init(out_in_view(m, p), gain=g)
+            view = out_in_view(m, p)
+            init(view, gain=g)
+            t.rec.record(p, xavier(view, g, distribution, f"{g:.4g}"))
         else:
             nn.init.zeros_(p)
+            t.rec.record(p, constant(0.0, "bias"))
     t.reset_norms()
 
 
@@ -922,9 +1048,9 @@ def _scheme_zero_branch(t: _Target) -> None:
     norms = {n.path: n for n in t.map.norms}
     for path in {end for ends in _branch_ends(t, adds).values() for end in ends}:
         if path in norms:
-            _set_norm(t.module(path), norms[path], gain=0.0)
+            _set_norm(t, norms[path], gain=0.0)
         else:
-            _zero(t, t.module(path))
+            _zero(t, t.module(path), "last layer of a residual branch")
 
 
 def _scheme_fixup(t: _Target, *, mode: Any, allow_norms: Any) -> None:
@@ -985,6 +1111,7 @@ def _fixup_branch(
 ) -> None:
     """Writers 0, the other layers He times L^(-1/(2m-2)); every layer gets both biases."""
     layers = [p for p in a.branch_layers if not isinstance(t.module(p), nn.Embedding)]
+    m = len(layers)
     for path in layers:
         layer = t.module(path)
         last = path in a.writers  # the last layer on each path of the branch
@@ -992,9 +1119,15 @@ def _fixup_branch(
         for _, p in t.applied.of(layer):
             if last or p.ndim < 2:
                 p.zero_()
-            else:
-                nn.init.kaiming_normal_(out_in_view(layer, p), mode=mode, nonlinearity="relu")
-                p.mul_(n_branches ** (-1.0 / (2 * len(layers) - 2)))
+                t.rec.record(p, constant(0.0, "last layer of a branch" if last else "bias"))
+                continue
+            view = out_in_view(layer, p)
+            nn.init.kaiming_normal_(view, mode=mode, nonlinearity="relu")
+            factor = n_branches ** (-1.0 / (2 * m - 2))
+            p.mul_(factor)
+            he = kaiming(view, mode, math.sqrt(2.0), "normal", "sqrt(2)")
+            why = f"{he.formula}*L^(-1/(2m-2)), L={n_branches}, m={m}"
+            t.rec.record(p, scaled(he, factor, why))
 
 
 def _fixup_shortcut(
@@ -1014,9 +1147,12 @@ def _fixup_shortcut(
         layer = t.module(path)
         for _, p in t.applied.of(layer):
             if p.ndim >= 2:
-                nn.init.kaiming_normal_(out_in_view(layer, p), mode=mode, nonlinearity="relu")
+                view = out_in_view(layer, p)
+                nn.init.kaiming_normal_(view, mode=mode, nonlinearity="relu")
+                t.rec.record(p, kaiming(view, mode, math.sqrt(2.0), "normal", "sqrt(2)"))
             else:
                 p.zero_()
+                t.rec.record(p, constant(0.0, "bias"))
     branch = [p for p in a.branch_layers if p in parts]
     first = min((p for p in shortcut if p in order), key=order.index, default=None)
     if first is not None and branch:
@@ -1027,14 +1163,14 @@ def _fixup_head(t: _Target, head: str) -> bool:
     """Zero the classifier; False (with a warning) where its weight is tied to another."""
     tied = _tied_elsewhere(t.model, head)
     if tied:
-        warnings.warn(
+        _warn(
             f"fixup leaves the head {head!r} as it is: its weight is shared with "
-            f"{tied!r}, and zeroing it would zero that too",
-            UserWarning,
-            stacklevel=4,
+            f"{tied!r}, and zeroing it would zero that too"
         )
+        for _, p in _direct(t.module(head)):
+            t.rec.leave(p, f"the head, tied to {tied!r}: fixup leaves it (zeroing it zeroes both)")
         return False
-    _zero(t, t.module(head))
+    _zero(t, t.module(head), "classifier")
     return True
 
 
@@ -1059,6 +1195,7 @@ def _wrap_fixup(t: _Target, parts: dict[str, _FixupPart]) -> None:
         wrapper = _parent_wrapper(t.model, path)
         if isinstance(wrapper, FixupScalars):
             wrapper.reset()  # fixup ran before: keep the scalars, reset them
+            _record_scalars(t, wrapper)
         else:
             shared = wrappers[part.shares_in].bias_in if part.shares_in else None
             wrapper = FixupScalars(
@@ -1069,11 +1206,22 @@ def _wrap_fixup(t: _Target, parts: dict[str, _FixupPart]) -> None:
                 shared_in=shared,
             )
             swaps.append((path, wrapper))
+            _record_scalars(t, wrapper)
         wrappers[path] = wrapper
     # inner layers first: a layer applying weights of its own around a child weight layer
     # (fused experts around their router) is wrapped with the child's wrapper inside it
     for path, new in sorted(swaps, key=lambda swap: -swap[0].count(".")):
         _replace(t.model, path, new)
+
+
+def _record_scalars(t: _Target, wrapper: FixupScalars) -> None:
+    for p, treatment in (
+        (wrapper.bias_in, constant(0.0, "Fixup scalar bias before the layer")),
+        (wrapper.bias_out, constant(0.0, "Fixup scalar bias after the layer")),
+        (wrapper.scale, constant(1.0, "Fixup multiplier")),
+    ):
+        if p is not None:
+            t.rec.record(p, treatment)
 
 
 def _tied_elsewhere(model: nn.Module, path: str) -> str | None:
@@ -1149,9 +1297,23 @@ def deepnorm_encoder_decoder_constants(
     return encoder, ((3 * m) ** 0.25, (12 * m) ** -0.25)
 
 
+class _Constants(NamedTuple):
+    """DeepNorm's alpha and beta for one stack, and the formulas they come from."""
+
+    alpha: float
+    beta: float
+    alpha_from: str
+    beta_from: str
+
+
+def _single(n: int) -> _Constants:
+    alpha, beta = deepnorm_constants(n)
+    return _Constants(alpha, beta, f"(2N)^(1/4), N={n}", f"(8N)^(-1/4), N={n}")
+
+
 def _deepnorm_defaults(
     t: _Target, adds: Sequence[ResidualAdd], n_layers: int | None, derive: bool
-) -> dict[str | None, tuple[float, float]]:
+) -> dict[str | None, _Constants]:
     """DeepNorm's (alpha, beta) for the adds of each stack (None: outside any stack).
 
     ``n_layers`` given: the single-stack formulas with that N everywhere. Otherwise a stack
@@ -1162,8 +1324,8 @@ def _deepnorm_defaults(
     hold (``derive``: some constant is not given).
     """
     if n_layers is not None:
-        return {a.stack: deepnorm_constants(n_layers) for a in adds}
-    found = {a.stack: deepnorm_constants(t.depth(a)) for a in adds}
+        return {a.stack: _single(n_layers) for a in adds}
+    found = {a.stack: _single(t.depth(a)) for a in adds}
     stacks = [s for s in dict.fromkeys(a.stack for a in adds) if s is not None]
     if not derive or len(stacks) < 2:
         return found
@@ -1181,7 +1343,12 @@ def _deepnorm_defaults(
         )
     encoder, decoder = pairs[0]
     n, m = t.map.stack(encoder).depth, t.map.stack(decoder).depth
-    found[encoder], found[decoder] = deepnorm_encoder_decoder_constants(n, m)
+    (a_enc, b_enc), (a_dec, b_dec) = deepnorm_encoder_decoder_constants(n, m)
+    sizes = f"N={n}, M={m}"
+    found[encoder] = _Constants(
+        a_enc, b_enc, f"0.81(N^4 M)^(1/16), {sizes}", f"0.87(N^4 M)^(-1/16), {sizes}"
+    )
+    found[decoder] = _Constants(a_dec, b_dec, f"(3M)^(1/4), M={m}", f"(12M)^(-1/4), M={m}")
     return found
 
 
@@ -1293,12 +1460,13 @@ def _scheme_deepnorm(t: _Target, *, n_layers: Any, alpha: Any, beta: Any) -> Non
     attention = [att.path for att in m.attention]
     values = _ValueProbe(t)
     ends = _branch_ends(t, adds)
-    scalers: list[tuple[str, float]] = []
+    scalers: list[tuple[str, float, str]] = []
     with torch.no_grad():
         for i, a in enumerate(adds):
-            default_alpha, default_beta = defaults[a.stack]
-            alpha_i = alpha_fixed or default_alpha
-            beta_i = beta_fixed or default_beta
+            c = defaults[a.stack]
+            alpha_i = alpha_fixed or c.alpha
+            given = "beta given" if beta_fixed else f"beta={c.beta_from}"
+            beta = _Beta(beta_fixed or c.beta, given)
             layers = [p for p in a.branch_layers if not isinstance(t.module(p), nn.Embedding)]
             in_attention = [
                 p
@@ -1311,18 +1479,44 @@ def _scheme_deepnorm(t: _Target, *, n_layers: Any, alpha: Any, beta: Any) -> Non
                 for _, p in t.applied.of(layer):
                     if p.ndim < 2:
                         p.zero_()
+                        t.rec.record(p, constant(0.0, "bias"))
                     elif path in value_slices:
-                        _xavier_slices(layer, p, value_slices[path], beta_i)
-                    elif path in in_attention:
-                        nn.init.xavier_normal_(out_in_view(layer, p), gain=1.0)  # query, key
+                        _xavier_slices(t, layer, p, value_slices[path], beta)
                     else:
-                        nn.init.xavier_normal_(out_in_view(layer, p), gain=beta_i)
-            _xavier_mha_inputs(t, layers, beta_i)
-            scalers += [(end, a.skip_scale / alpha_i) for end in ends.get(i, [])]
+                        gain = _QUERY_KEY if path in in_attention else beta
+                        _xavier_draw(t, p, out_in_view(layer, p), gain)
+            _xavier_mha_inputs(t, layers, beta)
+            skip = "1" if a.skip_scale == 1 else f"{a.skip_scale:g}"
+            why = f"{skip}/alpha, alpha=" + ("given" if alpha_fixed else c.alpha_from)
+            scalers += [(end, a.skip_scale / alpha_i, why) for end in ends.get(i, [])]
     _set_fixed_scalers(t, scalers, "deepnorm")
 
 
-def _xavier_mha_inputs(t: _Target, layers: list[str], beta: float) -> None:
+class _Beta(NamedTuple):
+    """A Xavier gain of DeepNorm and where it comes from."""
+
+    gain: float
+    why: str
+
+
+_QUERY_KEY = _Beta(1.0, "")
+
+
+def _xavier_draw(
+    t: _Target,
+    p: torch.Tensor,
+    view: torch.Tensor,
+    beta: _Beta,
+    rows: tuple[int, int] | None = None,
+) -> None:
+    """Xavier-normal on ``view`` (of ``p``, or its output ``rows``), with DeepNorm's gain."""
+    nn.init.xavier_normal_(view, gain=beta.gain)
+    drawn = xavier(view, beta.gain, "normal", "beta" if beta.why else "1")
+    why = f"{drawn.formula}, {beta.why}" if beta.why else f"{drawn.formula} (query, key)"
+    t.rec.record(p, normal(drawn.std or 0.0, why), rows)
+
+
+def _xavier_mha_inputs(t: _Target, layers: list[str], beta: _Beta) -> None:
     """torch's ``nn.MultiheadAttention`` applies its q, k, v projections as parameters of its
     own (the map lists its ``out_proj``): q and k Xavier gain 1, v gain beta, their bias 0."""
     for path in sorted({p.rpartition(".")[0] for p in layers if p.endswith(".out_proj")}):
@@ -1331,21 +1525,26 @@ def _xavier_mha_inputs(t: _Target, layers: list[str], beta: float) -> None:
             continue
         for name, p in t.applied.of(mha):
             if name == "in_proj_weight":
-                _xavier_slices(mha, p, [2], beta)
+                _xavier_slices(t, mha, p, [2], beta)
             elif name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
-                nn.init.xavier_normal_(p, gain=beta if name.startswith("v") else 1.0)
+                _xavier_draw(t, p, p, beta if name.startswith("v") else _QUERY_KEY)
             elif name == "in_proj_bias":
                 p.zero_()
+                t.rec.record(p, constant(0.0, "bias"))
 
 
-def _xavier_slices(layer: nn.Module, p: torch.Tensor, value_parts: list[int], beta: float) -> None:
+def _xavier_slices(
+    t: _Target, layer: nn.Module, p: torch.Tensor, value_parts: list[int], beta: _Beta
+) -> None:
     """Xavier per q|k|v part of a fused projection: gain beta on value parts, 1 on the rest."""
     view = out_in_view(layer, p)
-    parts = 3 if value_parts != [-1] else 1
-    size = view.shape[0] // parts
-    for k in range(parts):
-        gain = beta if (value_parts == [-1] or k in value_parts) else 1.0
-        nn.init.xavier_normal_(view[k * size : (k + 1) * size], gain=gain)
+    if value_parts == [-1]:
+        _xavier_draw(t, p, view, beta)
+        return
+    size = view.shape[0] // 3
+    for k in range(3):
+        rows = (k * size, (k + 1) * size)
+        _xavier_draw(t, p, view[rows[0] : rows[1]], beta if k in value_parts else _QUERY_KEY, rows)
 
 
 class _ValueProbe:
@@ -1451,30 +1650,29 @@ class _ValueProbe:
         return seen[0]
 
 
-def _set_fixed_scalers(t: _Target, scalers: list[tuple[str, float]], kind: str) -> None:
+def _set_fixed_scalers(t: _Target, scalers: list[tuple[str, float, str]], kind: str) -> None:
     swaps = []
-    for path, value in scalers:
+    for path, value, why in scalers:
         wrapper = _parent_wrapper(t.model, path)
         if isinstance(wrapper, BranchScale) and wrapper.kind == kind:
             wrapper.scale.fill_(value)  # ran before: update the factor in place
+            t.rec.record(wrapper.scale, constant(value, why))
             continue
         if abs(value - 1.0) < 1e-6:
-            continue  # the skip already carries alpha
+            t.rec.notes.append(f"{path}: the skip already carries alpha, no scaler added")
+            continue
         like = next(t.module(path).parameters())
         _, channel_dim, offset = _channels(t, path)
-        swaps.append(
-            (
-                path,
-                BranchScale(
-                    t.module(path),
-                    kind,
-                    _scale_value(like, value, None),
-                    channel_dim,
-                    learnable=False,
-                    gain_offset=offset,
-                ),
-            )
+        new = BranchScale(
+            t.module(path),
+            kind,
+            _scale_value(like, value, None),
+            channel_dim,
+            learnable=False,
+            gain_offset=offset,
         )
+        t.rec.record(new.scale, constant(value, why))
+        swaps.append((path, new))
     for path, new in swaps:
         _replace(t.model, path, new)
 

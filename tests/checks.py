@@ -3,6 +3,7 @@ what `convert_norms` and `reinit` may change in a model, and what they must leav
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -10,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from normprobe import BranchScale, ConversionReport, FixupScalars
+from normprobe import BranchScale, ConversionReport, FixupScalars, ReinitReport, TensorInit
+from normprobe.init import out_in_view
 
 # Per-module hook dicts that must be back to their counts after normprobe is done.
 HOOK_DICTS = (
@@ -178,3 +180,39 @@ def check_reinit(
     # a wrapped layer keeps its own hooks, now under ``.inner``
     own = {".".join(inside(p.split("."))): c for p, c in (own_hooks or {}).items()}
     assert no_hooks(model, own)
+
+
+def reported_tensor(model: nn.Module, change: TensorInit) -> torch.Tensor:
+    """The tensor a change names (a parametrized weight as the layer applies it), laid out
+    (out, in, ...) and cut to the change's output rows."""
+    owner, _, name = change.path.rpartition(".")
+    module = model.get_submodule(owner)
+    tensor = getattr(module, name).detach()
+    if change.outputs is None:
+        return tensor
+    start, stop = change.outputs
+    return out_in_view(module, tensor)[start:stop]
+
+
+def check_reinit_report(model: nn.Module, report: ReinitReport) -> None:
+    """Every number a `reinit_with_report` report gives is the one the tensor holds (a draw's
+    root mean square within 4 standard errors of its std); every parameter is named once."""
+    for change in report.changed + report.scalers:
+        got = reported_tensor(model, change)
+        t = change.treatment
+        if t.how == "constant":
+            value = torch.tensor(t.value, dtype=got.dtype, device=got.device)
+            assert torch.all(got == value), f"{change.path}: not all {t.value}"
+            continue
+        assert t.std is not None
+        rms = got.float().pow(2).mean().sqrt().item()
+        tolerance = 4 / math.sqrt(2 * got.numel())
+        assert abs(rms / t.std - 1) < tolerance, f"{change.path}: rms {rms:.5f}, reported {t}"
+        if t.how == "uniform":
+            assert got.abs().max().item() <= t.std * math.sqrt(3) * (1 + 1e-6)
+    named: list[str] = []
+    for path in dict.fromkeys(c.path for c in report.changed):
+        change = next(c for c in report.changed if c.path == path)
+        named += change.parameters or [path]
+    named += [path for path, _ in report.left]
+    assert sorted(named) == sorted(n for n, _ in model.named_parameters())

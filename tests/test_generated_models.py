@@ -46,6 +46,7 @@ from checks import (
     Snapshot,
     check_conversion,
     check_reinit,
+    check_reinit_report,
     hooks,
     no_hooks,
     tensors,
@@ -1287,7 +1288,7 @@ def _exercise(spec: Spec, targets: list[str], scheme: str, fault: bool) -> None:
         with warnings.catch_warnings(), _normal_stds() as stds:
             warnings.simplefilter("ignore", UserWarning)  # fixup's tied-head notice
             options = {"allow_norms": True} if scheme == "fixup" else {}  # checked around norms
-            normprobe.reinit(
+            _, reinit_report = normprobe.reinit_with_report(
                 reinitialized, scheme, example_inputs=(x,), model_map=model_map, **options
             )
     except ValueError as err:
@@ -1296,6 +1297,7 @@ def _exercise(spec: Spec, targets: list[str], scheme: str, fault: bool) -> None:
         return
     assert refusal is None, scheme
     check_reinit(reinitialized, start, scheme, baseline)
+    check_reinit_report(reinitialized, reinit_report)
     _check_scheme(spec, scheme, start, stds)
     assert all(t.isfinite().all() for t in tensors(reinitialized(x)))
 

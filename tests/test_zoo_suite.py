@@ -25,6 +25,7 @@ from checks import (
     Snapshot,
     check_conversion,
     check_reinit,
+    check_reinit_report,
     hooks,
     no_hooks,
     placement,
@@ -223,7 +224,7 @@ def test_reinit(name: str, scheme: str) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # fixup's tied-head notice
-            out = normprobe.reinit(
+            out, report = normprobe.reinit_with_report(
                 model,
                 scheme,
                 example_inputs=z.args,
@@ -239,6 +240,7 @@ def test_reinit(name: str, scheme: str) -> None:
     assert (name, scheme) not in REFUSALS, f"{name} reinit {scheme} worked; expected a refusal"
     assert out is model
     check_reinit(model, before, scheme)
+    check_reinit_report(model, report)
     if scheme in ("kaiming", "xavier"):  # documented: embeddings are left alone
         for path, m in z.model.named_modules():
             if isinstance(m, nn.Embedding):
