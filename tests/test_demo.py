@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from tb import read_events
 
 import normprobe
@@ -14,8 +15,14 @@ from normprobe import demo, tags
 def test_demo_trains_four_runs_and_prints_the_comparison(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    threads = torch.get_num_threads()
     demo.main(["--steps", "8", "--root", str(tmp_path)])
+    assert torch.get_num_threads() == threads  # the demo's one thread is its own
     out = capsys.readouterr().out
+    # what it will take is said first: 4 runs of (3 s + 8 steps of 0.1 s)
+    assert out.splitlines()[0] == "normprobe demo: 4 runs of 8 steps, about 15 s on 2 CPU cores"
+    assert demo.expected_seconds(300) == pytest.approx(4 * (3 + 300 * 0.1))
+    assert out.splitlines()[-1].startswith("The demo took ")
     for name in demo.RUNS:
         events = read_events(str(tmp_path / "demo" / name))
         assert tags.format("grad_ratio", "model.blocks") in events.scalars
@@ -26,5 +33,5 @@ def test_demo_trains_four_runs_and_prints_the_comparison(
     assert link == normprobe.dashboard_url(tmp_path / "demo")
     assert "train_loss" in link and "grad_ratio" in link
     table = [line.split() for line in out.splitlines() if line.startswith(("pre-ln", "post-ln"))]
-    assert len(table) == 4 and all(len(row) == 5 for row in table)
+    assert len(table) == 4 and all(len(row) == 6 for row in table)  # ms/step last
     assert all(float(v) == float(v) for row in table for v in row[1:])  # measured, not NaN
