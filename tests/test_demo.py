@@ -35,3 +35,20 @@ def test_demo_trains_four_runs_and_prints_the_comparison(
     table = [line.split() for line in out.splitlines() if line.startswith(("pre-ln", "post-ln"))]
     assert len(table) == 4 and all(len(row) == 6 for row in table)  # ms/step last
     assert all(float(v) == float(v) for row in table for v in row[1:])  # measured, not NaN
+
+
+@pytest.mark.parametrize(("argv", "threads"), [([], 1), (["--threads", "2"], 2)])
+def test_the_demo_trains_on_one_thread_unless_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], threads: int
+) -> None:
+    seen: list[int] = []
+    make = demo.RUNS["pre-ln"]
+
+    def pre_ln(vocab: int) -> torch.nn.Module:
+        seen.append(torch.get_num_threads())  # while the run is being set up and trained
+        return make(vocab)
+
+    monkeypatch.setattr(demo, "RUNS", {"pre-ln": pre_ln})
+    before = torch.get_num_threads()
+    demo.main(["--steps", "2", "--root", str(tmp_path), *argv])
+    assert seen == [threads] and torch.get_num_threads() == before
