@@ -52,3 +52,34 @@ def test_the_demo_trains_on_one_thread_unless_told(
     before = torch.get_num_threads()
     demo.main(["--steps", "2", "--root", str(tmp_path), *argv])
     assert seen == [threads] and torch.get_num_threads() == before
+
+
+def _operations(name: str, probed: bool) -> int:
+    """The torch operations one unlogged training step of a demo model runs."""
+    model = demo.RUNS[name](96)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 96, (2, 16))
+    sinks = [normprobe.MemorySink()]
+    probe = normprobe.attach(model, opt, sinks=sinks, every=50) if probed else None
+
+    def step() -> None:
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # step 0, logged
+    with torch.autograd.profiler.profile() as prof:
+        step()  # step 1, not logged
+    if probe is not None:
+        probe.remove()
+    return sum(e.count for e in prof.key_averages())
+
+
+def test_no_demo_run_does_much_more_work_per_step(one_thread: None) -> None:
+    # a run 10x slower than the others on CPU: counted in operations, not seconds. The
+    # probe adds the same work to every model's unlogged step (its spike detector), none for
+    # converted norms; nn.RMSNorm's backward on CPU is a few operations more than LayerNorm's.
+    bare = {name: _operations(name, probed=False) for name in demo.RUNS}
+    added = {name: _operations(name, probed=True) - bare[name] for name in demo.RUNS}
+    assert len(set(added.values())) == 1 and 0 < added["pre-ln"] < 0.05 * bare["pre-ln"]
+    assert bare["pre-ln"] < bare["pre-ln-rmsnorm"] < 1.1 * bare["pre-ln"]
