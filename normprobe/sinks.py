@@ -70,8 +70,8 @@ class Record:
         """
         if name not in SERIES:
             close = difflib.get_close_matches(name, SERIES, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ValueError(f"no series is called {name!r} ({hint}see normprobe.tags)")
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"no series is called {name!r}{hint}; they are {', '.join(SERIES)}")
         start = tags.prefix(name)
         return {t[len(start) :]: v for t, v in self.scalars.items() if t.startswith(start)}
 
@@ -91,8 +91,9 @@ class Record:
             return values[stack] if stack is not None else next(iter(values.values()))
         if not values:
             raise ValueError(
-                f"no {series} at step {self.step}: its family was not among the metrics, or "
-                "the model has no stack of blocks (see probe.model_map)"
+                f"no {series} at step {self.step}: its family was not among the metrics, the "
+                "model has no stack of blocks (see probe.model_map), or its first block's value "
+                "was 0"
             )
         if stack is None:
             raise ValueError(
