@@ -27,7 +27,7 @@ from .common import check_every
 from .metrics import chosen
 from .runtime import Probe
 from .runtime.spikes import DEFAULT_SPIKES, Spikes
-from .sinks import Record, Sink, TensorBoardSink
+from .sinks import Record, Sink, TensorBoardSink, check_log_dir
 
 DEFAULT_DIR = "normprobe"
 
@@ -164,6 +164,11 @@ class NormProbeCallback(TrainerCallback):
                 f"(report_to={args.report_to}); writing TensorBoard files to {log_dir}",
                 UserWarning,
                 stacklevel=2,
+            )
+            check_log_dir(
+                log_dir,
+                "NormProbeCallback's log directory",
+                "set TrainingArguments(output_dir=...) to a directory you can write to",
             )
             sinks.append(TensorBoardSink(log_dir=log_dir))
         return sinks

@@ -20,10 +20,12 @@ from .metrics import chosen
 from .metrics.base import Reduce
 from .runtime import Probe, ProbeHook
 from .runtime.spikes import DEFAULT_SPIKES, Spikes
-from .sinks import Record, TensorBoardSink
+from .sinks import Record, TensorBoardSink, check_log_dir
 
 DEFAULT_DIR = "normprobe_logs"
 CHECKPOINT_KEY = "normprobe"
+# the way out when the folder NormProbe writes to cannot be created
+_FIX = "set the Trainer's default_root_dir (or the logger's save_dir) to a writable directory"
 
 
 class LoggerSink:
@@ -198,7 +200,9 @@ class NormProbe(Callback):
                 sinks.append(TensorBoardSink(writer=logger.experiment, close_writer=False))
             else:
                 root = logger.log_dir or logger.save_dir or trainer.default_root_dir
-                sinks.append(LoggerSink(logger, os.path.join(root, "normprobe")))
+                log_dir = os.path.join(root, "normprobe")
+                check_log_dir(log_dir, "NormProbe's folder in the logger's directory", _FIX)
+                sinks.append(LoggerSink(logger, log_dir))
         if not sinks:
             log_dir = os.path.join(trainer.default_root_dir, DEFAULT_DIR)
             warnings.warn(
@@ -206,6 +210,7 @@ class NormProbe(Callback):
                 UserWarning,
                 stacklevel=2,
             )
+            check_log_dir(log_dir, "NormProbe's log directory", _FIX)
             sinks.append(TensorBoardSink(log_dir=log_dir))
         for sink in sinks:  # a resumed run writing into a directory that holds the layout
             sink.layout_written = sink.log_dir in self._layout_dirs

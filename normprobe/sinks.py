@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
+import difflib
 import math
+import os
 import re
 import time
 import warnings
@@ -36,12 +38,68 @@ class Record:
         scalars: tag -> value.
         profiles: tag -> one value per block (the depth view of a metric over a stack).
         texts: tag -> text (the first module with a non-finite output).
+
+    The accessors read it the same way on any model, whatever its stacks are called:
+    ``record.grad_ratio()``, ``record.resid_growth()`` (of the only stack, or ``stack=``),
+    ``record.series("grad_ratio")`` (``{stack: value}``) and ``record.stacks``.
     """
 
     step: int
     scalars: dict[str, float] = field(default_factory=dict)
     profiles: dict[str, list[float]] = field(default_factory=dict)
     texts: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stacks(self) -> list[str]:
+        """The stacks of blocks measured at this step, as tags name them (``blocks``,
+        ``model.layers``, ``transformer.h``)."""
+        found = {
+            t.subject
+            for t in map(tags.parse, self.profiles)
+            if t is not None and t.series in SERIES and SERIES[t.series].shape == "block"
+        }
+        return sorted(found)
+
+    def series(self, name: str) -> dict[str, float]:
+        """This step's values of the series ``name`` (``grad_ratio``, ``resid_rms``,
+        ``norm_in_rms``...), by what follows ``normprobe/<name>/`` in their tags: a stack
+        (``{"model.layers": 0.4}``), a block (``"blocks/03"``), a module or a statistic.
+
+        Empty when the family writing it was not measured; ValueError for a name no family
+        writes.
+        """
+        if name not in SERIES:
+            close = difflib.get_close_matches(name, SERIES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"no series is called {name!r}{hint}; they are {', '.join(SERIES)}")
+        start = tags.prefix(name)
+        return {t[len(start) :]: v for t, v in self.scalars.items() if t.startswith(start)}
+
+    def grad_ratio(self, stack: str | None = None) -> float:
+        """The gradient norm of ``stack``'s last block over its first's (default: the only
+        stack); ValueError names the stacks when there are several or none."""
+        return self._of_stack("grad_ratio", stack)
+
+    def resid_growth(self, stack: str | None = None) -> float:
+        """The residual stream's RMS after ``stack``'s last block over after its first
+        (default: the only stack), as `grad_ratio`."""
+        return self._of_stack("resid_growth", stack)
+
+    def _of_stack(self, series: str, stack: str | None) -> float:
+        values = self.series(series)
+        if stack in values or (stack is None and len(values) == 1):
+            return values[stack] if stack is not None else next(iter(values.values()))
+        if not values:
+            raise ValueError(
+                f"no {series} at step {self.step}: its family was not among the metrics, the "
+                "model has no stack of blocks (see probe.model_map), or its first block's value "
+                "was 0"
+            )
+        if stack is None:
+            raise ValueError(
+                f"{len(values)} stacks have a {series} ({', '.join(values)}): pass stack=..."
+            )
+        raise ValueError(f"no {series} for stack {stack!r}; stacks: {', '.join(values)}")
 
 
 class Sink(Protocol):
@@ -155,6 +213,8 @@ class TensorBoardSink:
         if writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
+            if log_dir is not None:
+                check_log_dir(log_dir)
             writer = SummaryWriter(log_dir=log_dir, flush_secs=flush_secs)
             close_writer = True if close_writer is None else close_writer
         self.writer = writer
@@ -311,6 +371,36 @@ class TensorBoardSink:
         self.writer.flush()
         if self.close_writer:
             self.writer.close()
+
+
+def check_log_dir(
+    path: str | os.PathLike[str], given_as: str = "log_dir", fix: str | None = None
+) -> None:
+    """Create ``path`` (a directory for event files) or raise an OSError naming it, the reason
+    and ``fix``, the way out; ``given_as`` says where the path came from."""
+    name = os.fspath(path)
+    try:
+        os.makedirs(name, exist_ok=True)
+    except OSError as err:
+        error, reason = _why_not(name, err)
+    else:
+        if os.access(name, os.W_OK | os.X_OK):
+            return
+        error, reason = PermissionError, "it is not writable (permission denied)"
+    raise error(
+        f"{given_as} {name!r} cannot hold TensorBoard event files: {reason}; "
+        + (fix or f"pass a {given_as} in a directory you can write to")
+    )
+
+
+def _why_not(path: str, err: OSError) -> tuple[type[OSError], str]:
+    """The error to raise for a directory ``makedirs`` could not make, and why."""
+    blocking = path
+    while blocking and not os.path.exists(blocking):
+        blocking = os.path.dirname(blocking.rstrip(os.sep))
+    if blocking and not os.path.isdir(blocking):
+        return NotADirectoryError, f"{blocking!r} is a file, not a directory"
+    return type(err), err.strerror or str(err)
 
 
 def _layout(scalars: Iterable[str]) -> dict[str, dict[str, list[Any]]]:

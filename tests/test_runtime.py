@@ -400,7 +400,7 @@ def test_model_without_norms_logs_what_applies_and_warns_once(tmp_path: Path) ->
 
 def test_bad_input() -> None:
     model = TinyTransformer(depth=1)
-    with pytest.raises(ValueError, match=r"unknown metric\(s\) \['grad_norms'\]; choose from"):
+    with pytest.raises(ValueError, match=r"metric 'grad_norms' \(did you mean 'grad_norm'\?\)"):
         normprobe.attach(model, metrics=["grad_norms"])
     with pytest.raises(ValueError, match="`every` must be a positive integer"):
         normprobe.attach(model, every=0)

@@ -57,3 +57,39 @@ def test_heatmaps_are_redrawn_at_a_bounded_cadence(
     # from 4 logged steps on, at every record but at most once an hour; and at the close
     # unless nothing changed since the last drawing
     assert images == drawn
+
+
+def _two_stacks() -> Record:
+    """An encoder-decoder's step: gradient norms 2, 1, 0.5 down the encoder, 1 then 3 in the
+    decoder; residual RMS 1 then 1.5 in the decoder."""
+    grads = {"encoder.layers": [2.0, 1.0, 0.5], "decoder.layers": [1.0, 3.0]}
+    scalars = {
+        tags.format("grad_norm", stack, b, depth=len(v)): x
+        for stack, v in grads.items()
+        for b, x in enumerate(v)
+    }
+    scalars[tags.format("grad_ratio", "encoder.layers")] = 0.25
+    scalars[tags.format("grad_ratio", "decoder.layers")] = 3.0
+    scalars[tags.format("resid_growth", "decoder.layers")] = 1.5
+    scalars["train_loss"] = 2.0
+    profiles = {tags.format("grad_norm", stack): v for stack, v in grads.items()}
+    profiles[tags.format("attn_logits_head", "decoder.layers", 0, "attn")] = [1.0, 2.0]
+    return Record(7, scalars, profiles)
+
+
+def test_record_accessors_read_any_stack_by_its_name() -> None:
+    record = _two_stacks()
+    assert record.stacks == ["decoder.layers", "encoder.layers"]  # per-head vectors are no stack
+    assert record.series("grad_ratio") == {"encoder.layers": 0.25, "decoder.layers": 3.0}
+    assert record.series("grad_norm")["decoder.layers/1"] == 3.0
+    assert record.series("resid_cos") == {}  # a family this step did not measure
+    assert record.grad_ratio(stack="encoder.layers") == 0.25
+    assert record.resid_growth() == 1.5  # the only stack with one
+    with pytest.raises(ValueError, match=r"2 stacks have a grad_ratio \(encoder.layers, decod"):
+        record.grad_ratio()
+    with pytest.raises(ValueError, match="no grad_ratio for stack 'blocks'; stacks: encoder"):
+        record.grad_ratio("blocks")
+    with pytest.raises(ValueError, match="no series is called 'grad_ratios' \\(did you mean 'gr"):
+        record.series("grad_ratios")
+    with pytest.raises(ValueError, match="no resid_growth at step 3: its family was not among"):
+        Record(3).resid_growth()

@@ -8,6 +8,8 @@ thresholds `diagnose` compares against all come from here.
 
 from __future__ import annotations
 
+import difflib
+
 from .attn_logits import AttnLogits
 from .attn_logits_head import AttnLogitsHead
 from .base import Family, Flag, Series
@@ -50,7 +52,7 @@ def family(name: str) -> Family:
     for f in FAMILIES:
         if f.name == name:
             return f
-    raise ValueError(f"unknown metric {name!r}; choose from {sorted(METRICS)}")
+    raise ValueError(unknown_metric(name))
 
 
 def chosen(metrics: object) -> tuple[str, ...]:
@@ -60,8 +62,31 @@ def chosen(metrics: object) -> tuple[str, ...]:
     names = [metrics] if isinstance(metrics, str) else list(metrics)  # type: ignore[call-overload]
     unknown = [m for m in names if m not in METRICS]
     if unknown:
-        raise ValueError(f"unknown metric(s) {unknown}; choose from {sorted(METRICS)}")
+        raise ValueError(unknown_metric(unknown[0]))
     return tuple(names)
 
 
-__all__ = ["FAMILIES", "METRICS", "SERIES", "Family", "Flag", "Series", "chosen", "family"]
+def unknown_metric(name: object) -> str:
+    """The message for a metric name that is no family's: the closest family name (or the
+    family writing a series of that name), then every valid name."""
+    text = str(name)
+    writer = next((f.name for f in FAMILIES for s in f.series if s.name == text), None)
+    if writer is not None:
+        hint = f"{text!r} is a series the {writer!r} family writes: metrics=[{writer!r}]"
+    else:
+        close = difflib.get_close_matches(text, METRICS, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "no metric has a similar name"
+    return f"unknown metric {name!r} ({hint}); the metrics are {', '.join(METRICS)}"
+
+
+__all__ = [
+    "FAMILIES",
+    "METRICS",
+    "SERIES",
+    "Family",
+    "Flag",
+    "Series",
+    "chosen",
+    "family",
+    "unknown_metric",
+]

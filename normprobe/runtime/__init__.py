@@ -76,8 +76,9 @@ def attach(
         A `Probe`, also a context manager; ``probe.remove()`` is idempotent.
 
     Raises:
-        ValueError: unknown metric names or a bad ``every``.
+        ValueError: unknown metric names (the closest one suggested) or a bad ``every``.
         RuntimeError: a probe is already attached to the model.
+        OSError: ``log_dir`` cannot be created or written to (named, with the reason).
 
     Example::
 

@@ -267,6 +267,14 @@ class Probe:
             raise RuntimeError("the model is not mapped yet: run a forward, or discover_now()")
         return tags.format(series, self._plan.module_tag(module))
 
+    @property
+    def stacks(self) -> list[str]:
+        """The model's stacks of blocks as tags name them (``blocks``, ``model.layers``): the
+        ``stack=`` of `Record.grad_ratio`; the model must be mapped."""
+        if self._plan is None:
+            raise RuntimeError("the model is not mapped yet: run a forward, or discover_now()")
+        return [self._plan.stack_name(s.path) for s in self._plan.stacks()]
+
     # lifetime ------------------------------------------------------------------------------------
     def remove(self) -> None:
         """Remove every hook, write what is pending and close what the probe opened. Idempotent."""
