@@ -7,7 +7,7 @@ import math
 import torch
 
 from .. import probes
-from .base import SUSTAIN, Family, Flag, Out, Plan, Run, Series, Values, sustained
+from .base import PROBLEM, SUSTAIN, Family, Flag, Out, Plan, Run, Series, Values, sustained
 from .streams import Streams, rowwise
 
 # Sun et al. 2024 ("Massive Activations in Large Language Models") call an activation massive
@@ -118,6 +118,7 @@ class Outliers(Family):
                     "or bias (a learned sink token, attention biases), normalize queries and keys "
                     "(QK-norm), or lower the learning rate; `normprobe report RUN_DIR --png "
                     "depth.png` draws outlier_ratio and outlier_channel over the blocks",
+                    PROBLEM,
                 )
             )
         return found

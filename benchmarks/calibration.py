@@ -1,0 +1,618 @@
+"""The calibration set: healthy trainings and trainings broken one way on purpose, and the
+table of values each flag's threshold was set from.
+
+    python benchmarks/calibration.py [--out runs/calibration] [--only NAME ...] [--small]
+
+Every run trains a small model for a few hundred steps on the character corpus that ships
+with Python (`normprobe.corpus.CharCorpus`) or on synthetic images, with ``normprobe.attach``
+in a plain loop, then reads its flags back with ``normprobe.report.report``. The healthy runs
+must raise no *problem*; each broken run must raise, as a problem, the flag made for its
+fault, naming where the fault was put. The table prints, per flag, the statistic it thresholds
+on every run, healthy then broken, and the threshold between them. ``tests/test_calibration.py``
+runs the same set at `SMALL` size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import shutil
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import normprobe
+from normprobe.corpus import CharCorpus
+from normprobe.metrics import (
+    attn_logits,
+    bn_stats,
+    grad_norm,
+    logits,
+    outliers,
+    resid_cos,
+    resid_rms,
+    spikes,
+    update_ratio,
+)
+from normprobe.models import TinyTransformer
+from normprobe.report import RunReport, report
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Size:
+    """How big the runs are: the script's `FULL` set, the test's `SMALL` one."""
+
+    steps: int
+    width: int
+    depth: int
+    batch: int
+    context: int
+    every: int
+    image: int  # side of the synthetic images
+
+
+FULL = Size(steps=300, width=64, depth=6, batch=32, context=64, every=10, image=32)
+SMALL = Size(steps=60, width=32, depth=4, batch=16, context=32, every=5, image=16)
+LR = 3e-3  # AdamW's learning rate, `make demo`'s
+HEADS = 4
+
+
+@dataclass
+class Training:
+    """A model, its data and its optimizer's settings; ``at_step`` may change it each step."""
+
+    model: nn.Module
+    batch: Callable[[], Batch]
+    lr: float = LR
+    groups: list[dict[str, Any]] | None = None  # parameter groups (muP), else every parameter
+    at_step: Callable[[int], None] | None = None
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What a broken run was broken by, the flag made for it, and where it must point.
+
+    Attributes:
+        what: the fault, in words.
+        kind: the flag that must catch it, as a problem.
+        where: texts the flag's stack or message must contain (the block, module, head...).
+    """
+
+    what: str
+    kind: str
+    where: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    build: Callable[[Size], Training]
+    fault: Fault | None = None  # None: a healthy run
+    about: str = ""
+
+    @property
+    def healthy(self) -> bool:
+        return self.fault is None
+
+
+# --- data --------------------------------------------------------------------------------------
+def _chars(size: Size, batch: int | None = None) -> tuple[int, Callable[[], Batch]]:
+    corpus = CharCorpus(context=size.context, seed=0)
+    return corpus.vocab_size, lambda: corpus.batch(batch or size.batch)
+
+
+def _images(size: Size, batch: int | None = None) -> Callable[[], Batch]:
+    """Ten classes, each a fixed random picture, seen through noise."""
+    g = torch.Generator().manual_seed(0)
+    side = size.image
+    templates = torch.randn(10, 3, side, side, generator=g)
+
+    def draw() -> Batch:
+        y = torch.randint(0, 10, (batch or size.batch,), generator=g)
+        return templates[y] + 0.5 * torch.randn(len(y), 3, side, side, generator=g), y
+
+    return draw
+
+
+# --- models ------------------------------------------------------------------------------------
+def _tiny(size: Size, vocab: int, placement: str = "pre", depth: int | None = None) -> nn.Module:
+    return TinyTransformer(
+        vocab,
+        size.width,
+        depth or size.depth,
+        HEADS,
+        size.context,
+        placement=placement,  # type: ignore[arg-type]
+    )
+
+
+def _lm(
+    placement: str = "pre", depth: Callable[[Size], int] | None = None
+) -> Callable[[Size], Training]:
+    def build(size: Size) -> Training:
+        vocab, batch = _chars(size)
+        return Training(_tiny(size, vocab, placement, depth(size) if depth else None), batch)
+
+    return build
+
+
+def _rmsnorm(size: Size) -> Training:
+    t = _lm()(size)
+    t.model = normprobe.convert_norms(t.model, "rmsnorm")
+    return t
+
+
+def _deepnorm(size: Size) -> Training:
+    t = _lm("post", lambda s: 2 * s.depth)(size)
+    example = (torch.zeros(2, size.context, dtype=torch.long),)
+    normprobe.reinit(t.model, "deepnorm", example_inputs=example)
+    return t
+
+
+def _mup(size: Size) -> Training:
+    vocab, batch = _chars(size)
+    base = size.width
+    model = TinyTransformer(vocab, 2 * base, size.depth, HEADS, size.context)
+    normprobe.reinit(
+        model, "kaiming", example_inputs=(torch.zeros(2, size.context, dtype=torch.long),)
+    )
+    normprobe.mup(model, base_width=base)
+    return Training(model, batch, groups=normprobe.mup_param_groups(model, LR))
+
+
+def _llama(size: Size) -> Training:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab, batch = _chars(size)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=size.width,
+        intermediate_size=2 * size.width,
+        num_hidden_layers=size.depth,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS // 2,
+        max_position_embeddings=size.context,
+    )
+    return Training(LlamaForCausalLM(config), batch)
+
+
+def _gpt2(size: Size) -> Training:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    vocab, batch = _chars(size)
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_positions=size.context,
+        n_embd=size.width,
+        n_layer=size.depth,
+        n_head=HEADS,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return Training(GPT2LMHeadModel(config), batch)
+
+
+def _vit(size: Size) -> Training:
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(
+        img_size=size.image,
+        patch_size=4,
+        embed_dim=size.width,
+        depth=size.depth,
+        num_heads=HEADS,
+        num_classes=10,
+    )
+    return Training(model, _images(size), lr=1e-3)
+
+
+def _resnet(batch: int | None = None) -> Callable[[Size], Training]:
+    def build(size: Size) -> Training:
+        from torchvision.models.resnet import BasicBlock, ResNet
+
+        model = ResNet(BasicBlock, [2, 2, 2, 2] if size is FULL else [1, 1, 1, 1], num_classes=10)
+        return Training(model, _images(size, batch), lr=1e-3)
+
+    return build
+
+
+# --- faults ------------------------------------------------------------------------------------
+def _lr_10x(size: Size) -> Training:
+    t = _lm()(size)
+    t.lr = 10 * LR
+    return t
+
+
+def _scaled_layer(size: Size) -> Training:
+    t = _lm()(size)
+    t.model.blocks[2].mlp.register_forward_hook(lambda m, i, out: out * 1e4)  # type: ignore[index]
+    return t
+
+
+class _NaNGrad(torch.autograd.Function):
+    """The identity forward, a NaN gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.nan
+
+
+def _nan_backward(size: Size) -> Training:
+    """From the middle of the run on, block 1's MLP makes a NaN in its backward (between its
+    two linear layers), from a finite gradient at its output."""
+    t = _lm()(size)
+    armed = [False]
+    onset = (size.steps // 2 // size.every) * size.every  # a logged step
+
+    def pre(m: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+        return (_NaNGrad.apply(args[0]),) if armed[0] else None
+
+    def at_step(step: int) -> None:
+        armed[0] = step >= onset
+
+    t.model.blocks[1].mlp.proj.register_forward_pre_hook(pre)  # type: ignore[index]
+    t.at_step = at_step
+    return t
+
+
+def _massive(size: Size) -> Training:
+    """Block 2 writes into channel 7 of the stream, at every position, 1000x the median
+    |activation| of its output (the size Sun et al. 2024 find in trained LLMs)."""
+    t = _lm()(size)
+
+    def hook(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        bump = torch.zeros(out.shape[-1])
+        bump[7] = 1000.0 * out.detach().abs().median()
+        return out + bump
+
+    t.model.blocks[2].register_forward_hook(hook)  # type: ignore[index]
+    return t
+
+
+def _sharp_head(size: Size) -> Training:
+    """Block 1's head 2 has queries equal to its keys, large: logits |q|^2 / sqrt(d) past 100."""
+    t = _lm()(size)
+    qkv = t.model.blocks[1].attn.qkv  # type: ignore[index]
+    width, d = size.width, size.width // HEADS
+    with torch.no_grad():
+        rows = torch.randn(d, width) * 2.0
+        qkv.weight[2 * d : 3 * d] = rows
+        qkv.weight[width + 2 * d : width + 3 * d] = rows
+    return t
+
+
+def _collapse(size: Size) -> Training:
+    """A deep Pre-LN stack whose embedding is 1e4x larger: blocks stop turning
+    the stream (consecutive blocks' cosine near 1)."""
+    t = _lm("pre", lambda s: 3 * s.depth)(size)
+    with torch.no_grad():
+        t.model.tok.weight.mul_(1e4)  # type: ignore[union-attr]
+    return t
+
+
+HEALTHY = [
+    Case("pre-ln", _lm(), about="TinyTransformer, Pre-LN (make demo's)"),
+    Case("rmsnorm", _rmsnorm, about="the Pre-LN model through convert_norms(..., 'rmsnorm')"),
+    Case("hf-llama", _llama, about="transformers' LlamaForCausalLM from a small config"),
+    Case("hf-gpt2", _gpt2, about="transformers' GPT2LMHeadModel from a small config"),
+    Case("vit", _vit, about="timm VisionTransformer, patch 4, on synthetic images"),
+    Case("resnet-bn", _resnet(), about="torchvision ResNet (BasicBlock, BatchNorm)"),
+    Case("deepnorm", _deepnorm, about="a Post-LN stack twice as deep, reinit 'deepnorm'"),
+    Case("mup", _mup, about="TinyTransformer at 2x width, normprobe.mup + mup_param_groups"),
+]
+BROKEN = [
+    Case(
+        "post-ln-deep",
+        _lm("post", lambda s: 4 * s.depth),
+        Fault("Post-LN 4x as deep, no warmup", "top-heavy gradients", ("blocks",)),
+    ),
+    Case(
+        "lr-10x",
+        _lr_10x,
+        Fault("the learning rate 10x make demo's", "update too large", ("blocks",)),
+    ),
+    Case(
+        "scaled-layer",
+        _scaled_layer,
+        Fault("block 2's MLP output scaled by 1e4", "residual jump", ("blocks", "block 2")),
+    ),
+    Case(
+        "nan-backward",
+        _nan_backward,
+        Fault("a NaN made in block 1's MLP backward", "nan onset in backward", ("blocks.1.mlp",)),
+    ),
+    Case(
+        "massive-activation",
+        _massive,
+        Fault(
+            "1000x the median added to channel 7 after block 2",
+            "massive activations",
+            ("channel 7",),
+        ),
+    ),
+    Case(
+        "sharp-head",
+        _sharp_head,
+        Fault("block 1's head 2 with q = k, large", "logit blow-up", ("blocks/1.attn", "head 2")),
+    ),
+    Case(
+        "collapse",
+        _collapse,
+        Fault("deep Pre-LN, embedding 1e4x larger", "representation collapse", ("blocks",)),
+    ),
+    Case(
+        "bn-batch-2",
+        _resnet(batch=2),
+        Fault("the ResNet fed batches of 2", "batchnorm drift", ("layer",)),
+    ),
+]
+CASES = HEALTHY + BROKEN
+
+
+# --- training ----------------------------------------------------------------------------------
+def train(case: Case, size: Size, log_dir: str | Path) -> RunReport:
+    """Train ``case`` at ``size`` with a probe writing to ``log_dir``, and report the run."""
+    torch.manual_seed(0)
+    t = case.build(size)
+    model = t.model
+    opt = torch.optim.AdamW(t.groups or model.parameters(), lr=t.lr, weight_decay=0.0)
+    shutil.rmtree(log_dir, ignore_errors=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # NaN onsets: the flags say it
+        with normprobe.attach(model, optimizer=opt, log_dir=str(log_dir), every=size.every) as p:
+            for step in range(size.steps):
+                if t.at_step is not None:
+                    t.at_step(step)
+                x, y = t.batch()
+                out = model(x)
+                out = getattr(out, "logits", out)
+                loss = F.cross_entropy(out.flatten(0, -2), y.flatten())
+                p.observe_loss(loss)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+    return report(log_dir)
+
+
+# --- the table ---------------------------------------------------------------------------------
+def _finite(values: tuple[float, ...]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def _rows(rep: RunReport, metric: str) -> list[tuple[float, ...]]:
+    """The values of ``metric``'s row in every stack that has it."""
+    return [t.values for t in rep.trends if t.metric == metric and _finite(t.values)]
+
+
+def _held(rep: RunReport, metric: str, low: bool = False) -> float:
+    """What a rule held over the last `SUSTAIN` logged steps reads: the smallest of those
+    values (the largest for a rule on small values), worst stack first."""
+    ends = [_finite(v)[-SUSTAIN:] for v in _rows(rep, metric)]
+    held = [max(e) if low else min(e) for e in ends]
+    return (min(held) if low else max(held)) if held else math.nan
+
+
+def _peak(rep: RunReport, metric: str) -> float:
+    return max((max(_finite(v)) for v in _rows(rep, metric)), default=math.nan)
+
+
+def _jump(rep: RunReport) -> float:
+    """The largest ratio of a block's stream RMS to its predecessor's, held at the last
+    `SUSTAIN` logged steps, worst stack."""
+    found = []
+    for name, profiles in rep.profiles.items():
+        if name.startswith("resid_rms/"):
+            ends = [
+                max((b / a for a, b in itertools.pairwise(p) if a > 0), default=math.nan)
+                for _, p in profiles[-SUSTAIN:]
+            ]
+            found.append(min(ends))
+    return max(found, default=math.nan)
+
+
+def _spikes(rep: RunReport) -> float:
+    return float(sum(1 for f in rep.flags if f.kind.endswith(" spike")))
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """What a flag thresholds, read from a run's report, and its threshold(s)."""
+
+    kind: str
+    what: str
+    read: Callable[[RunReport], float]
+    threshold: str
+
+
+SUSTAIN = 2
+STATISTICS = [
+    Statistic(
+        "top-heavy gradients",
+        "grad_ratio (last / first block), held at the end",
+        lambda r: _held(r, "grad_ratio"),
+        f"note >= {grad_norm.TOP_LIMIT:g}, problem >= {grad_norm.TOP_PROBLEM:g}",
+    ),
+    Statistic(
+        "bottom-heavy gradients",
+        "grad_ratio, held at the end (largest of the last steps)",
+        lambda r: _held(r, "grad_ratio", low=True),
+        f"note <= {grad_norm.BOTTOM_LIMIT:g}",
+    ),
+    Statistic(
+        "residual growth",
+        "resid_growth (last / first block), held at the end",
+        lambda r: _held(r, "resid_growth"),
+        f"note >= {resid_rms.GROWTH_MIN:g} with slope >= {resid_rms.SLOPE_LIMIT:g}, "
+        f"or >= {resid_rms.GROWTH_LIMIT:g}",
+    ),
+    Statistic(
+        "residual jump",
+        "largest resid_rms ratio of a block to the one before, held at the end",
+        _jump,
+        f"problem >= {resid_rms.JUMP_LIMIT:g}",
+    ),
+    Statistic(
+        "representation collapse",
+        "resid_cos, mean over the deep half, held at the end",
+        lambda r: _held(r, "resid_cos[deep]"),
+        f"problem > {resid_cos.COLLAPSE_COS:g}",
+    ),
+    Statistic(
+        "logit blow-up",
+        "attn_logit_max, worst module, held at the end",
+        lambda r: _held(r, "attn_logit_max[max]"),
+        f"note >= {attn_logits.SOFT_CAP:g}, problem >= tau = {attn_logits.TAU:g}",
+    ),
+    Statistic(
+        "logit blow-up (head)",
+        "the output head's max |logit|, held at the end",
+        lambda r: _held(r, "logits/max_abs"),
+        f"note >= {logits.LIMIT:g}",
+    ),
+    Statistic(
+        "update too large",
+        "update_ratio (mean over blocks), largest logged",
+        lambda r: _peak(r, "update_ratio[mean]"),
+        f"problem >= {update_ratio.LIMIT:g}",
+    ),
+    Statistic(
+        "massive activations",
+        "outlier_ratio (max / median |activation|), worst block, held at the end",
+        lambda r: _held(r, "outlier_ratio[max]"),
+        f"problem > {outliers.RATIO_LIMIT:g}",
+    ),
+    Statistic(
+        "batchnorm drift",
+        "bn_var_drift (|log| batch / running variance), worst BatchNorm, held at the end",
+        lambda r: _held(r, "bn_var_drift[max]"),
+        f"problem > {bn_stats.LIMITS['var_drift']:.3g}",
+    ),
+    Statistic(
+        "batchnorm drift (gap)",
+        "bn_gap (train vs eval output, / its RMS), worst BatchNorm, held at the end",
+        lambda r: _held(r, "bn_gap[max]"),
+        f"problem > {bn_stats.LIMITS['gap']:g}",
+    ),
+    Statistic(
+        "nan onset",
+        "modules with NaN/Inf outputs, largest logged",
+        lambda r: _peak(r, "nonfinite/modules"),
+        "problem > 0",
+    ),
+    Statistic(
+        "nan onset in backward",
+        "modules with NaN/Inf input gradients, largest logged",
+        lambda r: _peak(r, "nonfinite/backward_modules"),
+        "problem > 0 when one module made it",
+    ),
+    Statistic(
+        "spikes",
+        "spikes found (loss or gradient norm)",
+        _spikes,
+        f"note; problem with the loss, or {spikes.RECUR} within {spikes.RECUR_STEPS} steps",
+    ),
+]
+
+
+@dataclass
+class Outcome:
+    """A run of the set: its report, and whether its flags are what they must be."""
+
+    case: Case
+    report: RunReport
+    problems: list[str] = field(default_factory=list)  # the kinds raised as problems
+
+    @property
+    def caught(self) -> bool:
+        """Healthy: no problem. Broken: its fault's flag raised as a problem, naming where."""
+        if self.case.fault is None:
+            return not self.problems
+        return self.found is not None
+
+    @property
+    def found(self) -> normprobe.metrics.Flag | None:
+        """The flag made for the fault, raised as a problem and naming where it was put."""
+        fault = self.case.fault
+        assert fault is not None
+        for f in self.report.flags:
+            text = f"{f.stack} {f.message}"
+            if (
+                f.severity == "problem"
+                and f.kind == fault.kind
+                and all(w in text for w in fault.where)
+            ):
+                return f
+        return None
+
+
+def run_case(case: Case, size: Size, root: Path) -> Outcome:
+    rep = train(case, size, root / case.name)
+    kinds = sorted({f.kind for f in rep.flags if f.severity == "problem"})
+    return Outcome(case, rep, kinds)
+
+
+def _cell(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v:.3g}"
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """Per flag: the statistic on every healthy run, then every broken one (``*`` the run
+    broken for this flag), and the threshold; then each run's problems."""
+    names = [o.case.name for o in outcomes]
+    width = max(len(n) for n in names)
+    lines = []
+    for st in STATISTICS:
+        lines += ["", f"{st.kind}: {st.what}; {st.threshold}"]
+        for label, healthy in (("healthy", True), ("broken", False)):
+            cells = []
+            for o in outcomes:
+                if o.case.healthy != healthy:
+                    continue
+                mark = "*" if o.case.fault and st.kind == o.case.fault.kind else ""
+                cells.append(f"{o.case.name}{mark} {_cell(st.read(o.report))}")
+            lines.append(f"  {label:<8}" + "  ".join(cells))
+    lines += ["", "Problems raised (healthy: none; broken: the flag made for its fault):"]
+    for o in outcomes:
+        verdict = "ok" if o.caught else "WRONG"
+        made = f"  [{o.case.fault.what}: {o.case.fault.kind}]" if o.case.fault else ""
+        raised = ", ".join(o.problems) or "none"
+        lines.append(f"  {o.case.name:<{width}}  {verdict:<5}  {raised}{made}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="where the runs go (default: a temp dir)")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these cases")
+    parser.add_argument("--small", action="store_true", help="the test's reduced runs")
+    args = parser.parse_args(argv)
+    size = SMALL if args.small else FULL
+    cases = [c for c in CASES if args.only is None or c.name in args.only]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.out or tmp)
+        outcomes = []
+        for case in cases:
+            outcomes.append(run_case(case, size, root))
+            print(f"{case.name}: problems {outcomes[-1].problems or 'none'}", flush=True)
+        print(table(outcomes))
+    return 0 if all(o.caught for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    raise SystemExit(main())
