@@ -1,7 +1,7 @@
 """The calibration set: healthy trainings and trainings broken one way on purpose, and the
 table of values each flag's threshold was set from.
 
-    python benchmarks/calibration.py [--out runs/calibration] [--only NAME ...] [--small]
+    python benchmarks/calibration.py [--out DIR [--reuse]] [--only NAME ...] [--small]
 
 Every run trains a small model for a few hundred steps on the character corpus that ships
 with Python (`normprobe.corpus.CharCorpus`) or on synthetic images, with ``normprobe.attach``
@@ -524,7 +524,7 @@ STATISTICS = [
         "spikes",
         "spikes found (loss or gradient norm)",
         _spikes,
-        f"note; problem with the loss, or {spikes.RECUR} within {spikes.RECUR_STEPS} steps",
+        f"note; problem when {spikes.RECUR} fall within {spikes.RECUR_STEPS} steps",
     ),
 ]
 
@@ -560,8 +560,12 @@ class Outcome:
         return None
 
 
-def run_case(case: Case, size: Size, root: Path) -> Outcome:
-    rep = train(case, size, root / case.name)
+def run_case(case: Case, size: Size, root: Path, reuse: bool = False) -> Outcome:
+    """Train ``case`` into ``root/<name>`` (with ``reuse``, read the run already there)."""
+    run = root / case.name
+    rep = (
+        report(run) if reuse and any(run.glob("events.out.tfevents.*")) else train(case, size, run)
+    )
     kinds = sorted({f.kind for f in rep.flags if f.severity == "problem"})
     return Outcome(case, rep, kinds)
 
@@ -600,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="where the runs go (default: a temp dir)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these cases")
     parser.add_argument("--small", action="store_true", help="the test's reduced runs")
+    parser.add_argument(
+        "--reuse", action="store_true", help="read runs already in --out instead of training"
+    )
     args = parser.parse_args(argv)
     size = SMALL if args.small else FULL
     cases = [c for c in CASES if args.only is None or c.name in args.only]
@@ -607,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(args.out or tmp)
         outcomes = []
         for case in cases:
-            outcomes.append(run_case(case, size, root))
+            outcomes.append(run_case(case, size, root, args.reuse))
             print(f"{case.name}: problems {outcomes[-1].problems or 'none'}", flush=True)
         print(table(outcomes))
     return 0 if all(o.caught for o in outcomes) else 1

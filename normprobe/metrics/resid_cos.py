@@ -7,6 +7,7 @@ import statistics
 
 from .. import probes
 from .base import (
+    NOTE,
     PROBLEM,
     SUSTAIN,
     Family,
@@ -24,7 +25,10 @@ from .streams import Streams, rowwise
 # Representation collapse (consecutive blocks' streams nearly parallel): the mean cosine of the
 # deep half past 0.999, i.e. each block turns the stream by under 2.6 degrees. Healthy small
 # models train at 0.95-0.998 (benchmarks/calibration.py: make demo's 6-block Pre-LN 0.966, a
-# 4-block ViT 0.996), a Pre-LN stack whose stream dwarfs its writes at 0.9999.
+# 4-block ViT 0.996), a Pre-LN stack whose stream dwarfs its writes at 0.9999. A problem in
+# Pre-LN stacks, whose stream can outgrow the blocks' writes for good; a note in Post-LN and
+# DeepNorm ones, which renormalize the stream every block and start near 1 whenever their
+# branches start small (0.9999 at init, 0.997-0.999 after 60 steps in the calibration set).
 COLLAPSE_COS = 0.999
 # The lecture measures collapse over depth; below 4 blocks there is no deep half to speak of.
 COLLAPSE_MIN_DEPTH = 4
@@ -83,9 +87,10 @@ class ResidCos(Family):
                 continue
             step, mean = hits[-1]
             blocks = sorted(t.parsed.block or 0 for t in deep)
+            where = placement(run, stack)
             why = (
                 " (typical of Pre-LN, whose stream outgrows each block's write)"
-                if placement(run, stack) == "pre-ln"
+                if where == "pre-ln"
                 else ""
             )
             found.append(
@@ -102,7 +107,7 @@ class ResidCos(Family):
                     "(normprobe.insert_branch_scale(model, 'layerscale')), use sandwich norms "
                     "(normprobe.convert_norms with a policy), or a Post-LN stack with "
                     "normprobe.reinit(model, 'deepnorm')",
-                    PROBLEM,
+                    NOTE if where in ("post-ln", "deepnorm") else PROBLEM,
                 )
             )
         return found
