@@ -271,16 +271,22 @@ def _nan_backward(size: Size) -> Training:
 
 
 def _massive(size: Size) -> Training:
-    """Block 2 writes into channel 7 of the stream, at every position, 1000x the median
-    |activation| of its output (the size Sun et al. 2024 find in trained LLMs)."""
+    """Block 2's MLP writes into channel 7 of the stream, at every position, 1000x the median
+    |activation| of the stream it reads (the size Sun et al. 2024 find in trained LLMs)."""
     t = _lm()(size)
+    block = t.model.blocks[2]  # type: ignore[index]
+    scale: list[torch.Tensor] = []
 
-    def hook(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    def read(m: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        scale[:] = [1000.0 * args[0].detach().abs().median()]
+
+    def write(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         bump = torch.zeros(out.shape[-1])
-        bump[7] = 1000.0 * out.detach().abs().median()
+        bump[7] = scale[0]
         return out + bump
 
-    t.model.blocks[2].register_forward_hook(hook)  # type: ignore[index]
+    block.ln_2.register_forward_pre_hook(read)
+    block.mlp.register_forward_hook(write)
     return t
 
 
@@ -342,9 +348,9 @@ BROKEN = [
         "massive-activation",
         _massive,
         Fault(
-            "1000x the median added to channel 7 after block 2",
+            "block 2's MLP adds 1000x the median to channel 7",
             "massive activations",
-            ("channel 7",),
+            ("block 2", "channel 7"),
         ),
     ),
     Case(
