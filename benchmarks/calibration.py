@@ -302,14 +302,23 @@ def _sharp_head(size: Size) -> Training:
     return t
 
 
+def _small_write(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    """A branch's output RMS-normalized with a fixed gain of 1e-3 (per position)."""
+    return out * (1e-3 / out.detach().pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12))
+
+
 def _collapse(size: Size) -> Training:
-    """A Pre-LN stack 3x as deep whose branches' outputs are scaled by a fixed 1e-3: the
-    blocks write next to nothing into the stream, so consecutive blocks' streams stay
-    parallel (training cannot grow the weights 1000x in a few hundred steps)."""
+    """A Pre-LN stack 3x as deep whose stream dwarfs its blocks' writes for good: frozen
+    embeddings 10x larger, every branch's output normalized with a fixed gain of 1e-3, so
+    consecutive blocks' streams stay parallel. (Trained embeddings shrink within a few steps,
+    and Adam grows a branch scaled by a constant 1e-3 back within 40: both escape collapse.)"""
     t = _lm("pre", lambda s: 3 * s.depth)(size)
-    for block in t.model.blocks:  # type: ignore[union-attr]
-        for branch in (block.attn, block.mlp):
-            branch.register_forward_hook(lambda m, i, out: out * 1e-3)
+    model = t.model
+    for table in (model.tok, model.pos):  # type: ignore[union-attr]
+        table.weight.requires_grad_(False).mul_(10)
+    for block in model.blocks:  # type: ignore[union-attr]
+        block.attn.register_forward_hook(_small_write)
+        block.mlp.register_forward_hook(_small_write)
     return t
 
 
@@ -361,7 +370,11 @@ BROKEN = [
     Case(
         "collapse",
         _collapse,
-        Fault("deep Pre-LN, branches scaled by 1e-3", "representation collapse", ("blocks",)),
+        Fault(
+            "deep Pre-LN, frozen 10x embeddings, writes of RMS 1e-3",
+            "representation collapse",
+            ("blocks",),
+        ),
     ),
     Case(
         "bn-batch-2",
@@ -378,7 +391,8 @@ def train(case: Case, size: Size, log_dir: str | Path) -> RunReport:
     torch.manual_seed(0)
     t = case.build(size)
     model = t.model
-    opt = torch.optim.AdamW(t.groups or model.parameters(), lr=t.lr, weight_decay=0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(t.groups or params, lr=t.lr, weight_decay=0.0)
     shutil.rmtree(log_dir, ignore_errors=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # NaN onsets: the flags say it
