@@ -13,8 +13,9 @@ from .logits import past
 # MuonClip (Kimi K2) rescales a head's queries and keys once its max logit passes tau = 100:
 # a problem past it. Gemma 2 soft-caps attention logits at 50: a note past that. Absolute
 # bounds only: at init the logits are near 0.1 whatever the model's health, so a rise from
-# init is no sign (the healthy runs of benchmarks/calibration.py rise 30-100x, to at most
-# 5-15; a head whose queries equal its keys reads 700-1000, 10x the learning rate 140).
+# init is no sign (the healthy runs of benchmarks/calibration.py rise 50-400x, to 6-63 at the
+# end: notes past 50 for make demo's Pre-LN and a Llama; a head whose queries equal its keys
+# reads 1400, the learning rate 10x too high 640).
 TAU = 100.0
 SOFT_CAP = 50.0
 

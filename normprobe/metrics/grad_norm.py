@@ -25,12 +25,13 @@ from .params import BlockParams
 # grad_ratio (last / first block), the tutorial's check [d]: Post-LN reads 2.35 at init
 # (top-heavy, the reason it needs warmup) and DeepNorm 1.02, so 2.0 is a note. A problem when it
 # stays past 10 to the end: in benchmarks/calibration.py a Post-LN stack 4x make demo's depth
-# without warmup ends at 100-600, while healthy runs end under 2 (DeepNorm twice as deep passes
-# 14 for a few steps early on, then falls back to 0.3-2; Pre-LN stays under 1.8).
+# without warmup ends at 100-600 (16 blocks, 60 steps) or 3e11 (24 blocks, 300 steps: its first
+# block's gradient vanishes), while healthy runs end at 0.14-0.93 (DeepNorm twice as deep
+# passes 3.5-14 for a few steps early on, then falls back).
 TOP_LIMIT = 2.0
 TOP_PROBLEM = 10.0
 # Pre-LN reads 0.40 at init in the tutorial (each block's scale shrinks evenly with depth), and
-# its healthy runs in the calibration set end at 0.14-0.5: bottom-heavy gradients past 4x are
+# its healthy runs in the calibration set end at 0.14-0.93: bottom-heavy gradients past 4x are
 # a note, never a problem.
 BOTTOM_LIMIT = 0.25
 

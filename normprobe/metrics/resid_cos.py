@@ -24,8 +24,8 @@ from .streams import Streams, rowwise
 
 # Representation collapse (consecutive blocks' streams nearly parallel): the mean cosine of the
 # deep half past 0.999, i.e. each block turns the stream by under 2.6 degrees. Healthy small
-# models train at 0.95-0.998 (benchmarks/calibration.py: make demo's 6-block Pre-LN 0.966, a
-# 4-block ViT 0.996), a Pre-LN stack whose stream dwarfs its writes at 0.9999. A problem in
+# models end at 0.88-0.994 (benchmarks/calibration.py: make demo's 6-block Pre-LN 0.98, a ViT
+# 0.994), a Pre-LN stack whose stream dwarfs its writes at 0.99999. A problem in
 # Pre-LN stacks, whose stream can outgrow the blocks' writes for good; a note in Post-LN and
 # DeepNorm ones, which renormalize the stream every block and start near 1 whenever their
 # branches start small (0.9999 at init, 0.997-0.999 after 60 steps in the calibration set).

@@ -21,9 +21,10 @@ SAMPLE_MIN = 4096
 # step moved its weights by a tenth of their norm. Adam's first steps move every weight by about
 # the learning rate, so there the ratio reads lr / weight RMS, the learning rate against the
 # init's scale (trained models sit near 1e-3, Karpathy's rule of thumb). Healthy runs of
-# benchmarks/calibration.py peak at 0.01-0.04 (lr 3e-3 on weights of std 0.02, at step 0), the
-# learning rate 10x too high at 0.4; one step counts, as a learning rate that high moves the
-# weights at the first steps and the ratio falls back as they grow.
+# benchmarks/calibration.py peak at 0.013-0.057 (lr 3e-3 on weights of std 0.02, at step 0)
+# and end at 3e-6-0.01, the learning rate 10x too high peaks at 0.55; one logged step counts,
+# as a learning rate that high moves the weights at the first steps and the ratio falls back
+# as they grow (to 0.01 after 10 steps).
 LIMIT = 0.1
 
 
