@@ -18,8 +18,9 @@ SLOPE_LIMIT = 0.3
 GROWTH_MIN = 3.0
 # Any shape: an unscaled stream of 50 layers grows its std x10 (variance x101, the tutorial's
 # check [f]); a stack growing that much is flagged whatever its slope. Residual growth is a
-# note: Pre-LN's stream grows with depth by design (a healthy 16-block Pre-LN stack passes 10
-# in benchmarks/calibration.py's runs); a single layer's growth is `JUMP_LIMIT`'s problem.
+# note: Pre-LN's stream grows with depth by design (a 16-block TinyTransformer, Pre-LN, passes
+# 10 within 60 AdamW steps and trains as well as its Post-LN twin; the calibration set's healthy
+# runs pass 9.6 in their first steps); a single layer's growth is `JUMP_LIMIT`'s problem.
 GROWTH_LIMIT = 10.0
 # Residual jump, a problem: a block whose stream's RMS is this many times the previous block's.
 # One layer writes far more than the others (a layer scaled up, a branch that blew up), and the
