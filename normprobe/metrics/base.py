@@ -296,20 +296,6 @@ def sustained(points: Points, condition: Callable[[float], bool]) -> Points:
     return run
 
 
-def longest(points: Points, condition: Callable[[float], bool]) -> Points:
-    """The longest run of consecutive (step, value) points, among the finite ones, that meet
-    ``condition``, anywhere in the run (the last such run on a tie)."""
-    best: Points = []
-    current: Points = []
-    for s, v in points:
-        if not math.isfinite(v):
-            continue
-        current = [*current, (s, v)] if condition(v) else []
-        if current and len(current) >= len(best):
-            best = current
-    return best
-
-
 def placement(run: Run, stack: str) -> str | None:
     """The stack's placement as the probe wrote it (``pre-ln``, ``post-ln``, ...), if it did."""
     texts = run.texts.get(format_tag("placement", stack), [])
