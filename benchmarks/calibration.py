@@ -42,6 +42,7 @@ from normprobe.metrics import (
     spikes,
     update_ratio,
 )
+from normprobe.metrics.base import SUSTAIN, Flag
 from normprobe.models import TinyTransformer
 from normprobe.report import RunReport, report
 
@@ -461,7 +462,6 @@ class Statistic:
     threshold: str
 
 
-SUSTAIN = 2
 STATISTICS = [
     Statistic(
         "top-heavy gradients",
@@ -567,7 +567,7 @@ class Outcome:
         return self.found is not None
 
     @property
-    def found(self) -> normprobe.metrics.Flag | None:
+    def found(self) -> Flag | None:
         """The flag made for the fault, raised as a problem and naming where it was put."""
         fault = self.case.fault
         assert fault is not None
