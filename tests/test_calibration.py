@@ -1,30 +1,19 @@
-"""The calibration set (``benchmarks/calibration.py``) at its reduced size: no problem on a
+"""The calibration set (``benchmarks/calibration_set.py``) at its reduced size: no problem on a
 healthy run, and each broken run caught, as a problem, by the flag made for its fault, naming
 where the fault was put."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+sys.path.append(str(Path(__file__).parent.parent / "benchmarks"))  # a folder, no package
+import calibration as table
+import calibration_set as cal
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def _calibration() -> ModuleType:
-    path = Path(__file__).parent.parent / "benchmarks" / "calibration.py"
-    spec = importlib.util.spec_from_file_location("calibration", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["calibration"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-cal = _calibration()
 
 
 @pytest.mark.parametrize("case", cal.HEALTHY, ids=lambda c: c.name)
@@ -46,6 +35,6 @@ def test_broken_run_is_caught_where_the_fault_is(case, tmp_path, one_thread) -> 
 
 
 def test_every_fault_has_its_statistic_in_the_table() -> None:
-    kinds = {s.kind for s in cal.STATISTICS}
+    kinds = {s.kind for s in table.STATISTICS}
     assert {c.fault.kind for c in cal.BROKEN} <= kinds
     assert len(cal.HEALTHY) >= 8 and len(cal.BROKEN) >= 8
