@@ -17,8 +17,9 @@ naming them.
   the values come from (``null`` when no run has a value at a matched step), ``values`` one
   number per run (``null`` where the run has no such row), ``ratios`` each value over the first
   run's (the first is 1; ``null`` where either is missing or the first is 0);
-* ``unshared_flags``: one list per run of its flags (``report``'s keys) whose (kind, stack)
-  some other run did not raise; ``shared_flags``: ``{"kind", "stack"}`` every run raised.
+* ``unshared_flags``: one list per run of its flags (``report``'s keys, ``severity``
+  included) whose (kind, stack) some other run did not raise; ``shared_flags``: ``{"kind",
+  "stack"}`` every run raised.
 
 Non-finite numbers are ``null``, as in ``normprobe.report/1``.
 """
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .metrics import Flag
+from .metrics.run import problems
 from .report import (
     RunReport,
     flag_dict,
@@ -89,8 +91,8 @@ class Comparison:
 
     @property
     def flagged(self) -> bool:
-        """Whether any run raised a flag (``normprobe report``'s exit status 1)."""
-        return any(r.flags for r in self.reports)
+        """Whether any run raised a problem (``normprobe report``'s exit status 1)."""
+        return any(problems(r.flags) for r in self.reports)
 
     def row(self, stack: str, metric: str) -> ComparedRow:
         """The row of ``metric`` for ``stack``; KeyError lists the rows there are."""
@@ -147,7 +149,7 @@ class Comparison:
         ]
         if unshared:
             lines.append(f"Flags not raised by every run ({len(unshared)}, by kind and stack):")
-            lines += [f"  {label}  {f}" for label, f in unshared]
+            lines += [f"  {label}  {f.severity:<7}  {f}" for label, f in unshared]
         else:
             lines.append("No flag raised by some runs and not others.")
         if self.shared_flags:
@@ -281,7 +283,9 @@ def _ratios(values: tuple[float | None, ...]) -> tuple[float | None, ...]:
 
 def _run_summary(rep: RunReport) -> str:
     span = f"steps {rep.steps[0]}..{rep.steps[-1]} ({len(rep.steps)} logged)"
-    flags = f"{len(rep.flags)} flag{'s' if len(rep.flags) != 1 else ''}"
+    found = len(problems(rep.flags))
+    notes = len(rep.flags) - found
+    flags = f"{found} problem{'s' if found != 1 else ''}, {notes} note{'s' if notes != 1 else ''}"
     again = len(rep.repeated_steps)
     return f"{span}, {flags}" + (f", {again} steps in several event files" if again else "")
 

@@ -58,7 +58,7 @@ from .runtime import Probe
 POSTLN_GRAD_RATIO_MAX = grad_norm.TOP_LIMIT
 RESID_SLOPE_MAX = resid_rms.SLOPE_LIMIT
 RESID_MIN_DEPTH = resid_rms.MIN_DEPTH
-ATTN_LOGIT_MAX = attn_logits.LIMIT
+ATTN_LOGIT_MAX = attn_logits.SOFT_CAP
 
 # BatchNorm's batch statistics come from m samples with a variance ∝ 1/m; the seeds (§2.3, §6.4)
 # name batches of 2-4 per device as where BN degrades badly and GroupNorm takes over. 8 keeps a

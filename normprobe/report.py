@@ -15,9 +15,15 @@ onset rows end early and say so. Flags compare the run against the thresholds be
 Given two or more run directories, ``normprobe report RUN_A RUN_B ...`` compares them instead
 (`normprobe.compare`).
 
-Exit status of ``normprobe report``: 0 when no run raised a flag, 1 when one did (so that a CI
-job can fail on it; in a comparison, when any of the runs did), 2 on bad input (a path that does
-not exist, no event files, no ``normprobe/`` tags, a folder of several runs given to compare).
+Every flag has a severity: a *problem* is worth stopping a run for (no healthy run of the
+calibration set, ``benchmarks/calibration.py``, raises one), a *note* is worth a look (healthy
+runs raise some: Pre-LN's bottom-heavy gradients, a lone gradient spike). The table lists
+problems first, then notes.
+
+Exit status of ``normprobe report``: 0 when no run raised a problem (notes alone exit 0), 1 when
+one did (so that a CI job can fail on it; in a comparison, when any of the runs did), 2 on bad
+input (a path that does not exist, no event files, no ``normprobe/`` tags, a folder of several
+runs given to compare).
 
 ``--json`` prints one JSON document instead of the table (`json.loads` reads it as it is):
 
@@ -29,7 +35,8 @@ not exist, no event files, no ``normprobe/`` tags, a folder of several runs give
     when none); ``repeated_steps``: steps found in more than one event file;
   - ``rows``: the table, ``{"stack", "metric", "first", "last", "min", "max", "trend",
     "first_step", "last_step"}`` (``trend`` as in the table: ``flat``, ``up x3.2``...);
-  - ``flags``: ``{"kind", "stack", "step", "value", "threshold", "message"}``.
+  - ``flags``: ``{"kind", "severity", "stack", "step", "value", "threshold", "message"}``,
+    problems first; ``severity`` is ``"problem"`` or ``"note"``.
 
 * ``skipped``: folders below the path whose event files hold no ``normprobe/`` tag.
 
@@ -56,7 +63,7 @@ from . import plots, tags
 from .common import spread
 from .metrics import SERIES
 from .metrics.base import MODEL, Flag, Points, RunTag
-from .metrics.run import run_flags, run_tags
+from .metrics.run import flag_lines, problems, run_flags, run_tags
 from .sinks import PROFILE_PLUGIN
 
 EVENT_GLOB = "events.out.tfevents.*"
@@ -199,11 +206,7 @@ class RunReport:
             ]
             lines.append("  ".join(cells).rstrip())
         lines.append("")
-        if self.flags:
-            lines.append(f"Flags ({len(self.flags)}):")
-            lines += [f"  {f}" for f in self.flags]
-        else:
-            lines.append("No flags.")
+        lines += flag_lines(self.flags)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -273,6 +276,7 @@ def flag_dict(flag: Flag) -> dict[str, Any]:
     """A flag as ``--json`` writes it."""
     return {
         "kind": flag.kind,
+        "severity": flag.severity,
         "stack": flag.stack,
         "step": flag.step,
         "value": json_number(flag.value),
@@ -564,9 +568,9 @@ def format_number(v: float) -> str:
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``report`` on an ``argparse`` subparsers object (``normprobe report``).
 
-    Exit status of the command: 0 when no run raised a flag, 1 when some did (also in a
-    comparison), 2 on bad input (a path that does not exist, no event files, no ``normprobe/``
-    tags, a folder of several runs among the runs to compare).
+    Exit status of the command: 0 when no run raised a problem (notes exit 0), 1 when some did
+    (also in a comparison), 2 on bad input (a path that does not exist, no event files, no
+    ``normprobe/`` tags, a folder of several runs among the runs to compare).
 
     Example::
 
@@ -582,10 +586,11 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
             "Read the event files normprobe wrote and print, per stack, each metric's first, "
             "last, min and max over training with its trend, then flags (residual growth, "
             "representation collapse, NaN onset, BatchNorm drift, logit blow-up, top- or "
-            "bottom-heavy gradients). Every run under RUN_DIR is reported. Given two or more "
-            "runs, compare them: each metric at the last step all runs logged, its ratio to the "
-            "first run, and the flags not every run raised. Exit status: 0 no flags, 1 flags "
-            "raised (by any run), 2 bad input."
+            "bottom-heavy gradients...), problems (worth stopping for) first, then notes. Every "
+            "run under RUN_DIR is reported. Given two or more runs, compare them: each metric at "
+            "the last step all runs logged, its ratio to the first run, and the flags not every "
+            "run raised. Exit status: 0 no problem (notes alone included), 1 a problem raised "
+            "(by any run), 2 bad input."
         ),
     )
     parser.add_argument(
@@ -653,7 +658,7 @@ def _run(args: argparse.Namespace) -> int:
         print(dumps(report_document(reports, skipped)))
     elif skipped:
         print(f"\nskipped (no normprobe/ tags): {', '.join(str(s) for s in skipped)}")
-    return 1 if any(rep.flags for rep in reports) else 0
+    return 1 if any(problems(rep.flags) for rep in reports) else 0
 
 
 def _compare(args: argparse.Namespace) -> int:

@@ -174,8 +174,8 @@ class TensorBoardSink:
       `HEATMAP_COLUMNS` columns. Per-head series (``attn_logits_head``) get, at the same
       cadence, one heads x blocks image per stack and position in the block (``attn``) of the
       latest logged step.
-    * Text: ``normprobe/flags/run``, what `normprobe report` would flag so far, rewritten when it
-      changes at the same cadence.
+    * Text: ``normprobe/flags/run``, what `normprobe report` would flag so far, problems then
+      notes under bold headings, rewritten when it changes at the same cadence.
     * The depth profiles themselves are stored for `report` in summaries TensorBoard does not
       display; ``depth_histograms=True`` also writes them as histograms whose buckets are the
       blocks (the Histograms tab's view, whose shared scale hides most of the story).
@@ -304,14 +304,17 @@ class TensorBoardSink:
     def _draw(self, images: bool = True) -> None:
         """Rewrite the flags if they changed, and (with ``images``) the heatmaps that have new
         columns."""
-        from .metrics.run import run_flags
+        from .metrics.run import flag_lines, run_flags
 
         scalars = {
             t: ([self._first[t]] if self._first[t][0] < h[0][0] else []) + list(h)
             for t, h in self._history.items()
         }
         flags = run_flags(scalars, self._texts)
-        text = "\n\n".join(str(f) for f in flags) or "No flags."
+        # markdown: a blank line between entries; headings in bold
+        text = "\n\n".join(
+            line.strip() if line.startswith(" ") else f"**{line}**" for line in flag_lines(flags)
+        )
         if text != self._flags_text:
             self._flags_text = text
             self.writer.add_text(tags.format("flags", "run"), text, self._last_step)

@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
-from tb import read_events
+from tb import read_events, read_texts
 from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
 from tensorboard.summary.writer import record_writer
 
@@ -93,3 +93,27 @@ def test_record_accessors_read_any_stack_by_its_name() -> None:
         record.series("grad_ratios")
     with pytest.raises(ValueError, match="no resid_growth at step 3: its family was not among"):
         Record(3).resid_growth()
+
+
+def test_flags_text_lists_problems_then_notes(tmp_path: Path) -> None:
+    # a Pre-LN stack fed an input 100x its blocks' writes: representation collapse (a problem);
+    # its gradients pile up in the first block (bottom-heavy: a note)
+    import torch
+
+    import normprobe
+    from normprobe.models import ResidualStack
+
+    torch.manual_seed(0)
+    stack = ResidualStack(8, 16)
+    opt = torch.optim.SGD(stack.parameters(), lr=0.0)
+    with normprobe.attach(stack, opt, log_dir=str(tmp_path), every=1):
+        for _ in range(3):
+            stack(100 * torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+    rep = normprobe.report_run(tmp_path)
+    assert [f.severity for f in rep.flags] == sorted((f.severity for f in rep.flags), reverse=True)
+    texts = read_texts(str(tmp_path))[tags.format("flags", "run") + "/text_summary"]
+    text = texts[-1][1]
+    problems = [f for f in rep.flags if f.severity == "problem"]
+    assert problems and text.startswith(f"**Problems ({len(problems)}), worth stopping for:**")
+    assert text.index("[representation collapse]") < text.index("**Notes (")

@@ -7,11 +7,17 @@ from functools import partial
 import torch
 
 from .. import tags
-from .base import Family, Flag, Out, Plan, Run, RunTag, Series, Slot, Values
-from .logits import blow_up
+from .base import NOTE, PROBLEM, Family, Flag, Out, Plan, Run, RunTag, Series, Slot, Values
+from .logits import past
 
-# Gemma 2 soft-caps attention logits at 50: beyond it, softmax is close to one-hot.
-LIMIT = 50.0
+# MuonClip (Kimi K2) rescales a head's queries and keys once its max logit passes tau = 100:
+# a problem past it. Gemma 2 soft-caps attention logits at 50: a note past that. Absolute
+# bounds only: at init the logits are near 0.1 whatever the model's health, so a rise from
+# init is no sign (the healthy runs of benchmarks/calibration.py rise 50-400x, to 6-63 at the
+# end: notes past 50 for make demo's Pre-LN and a Llama; a head whose queries equal its keys
+# reads 1400, the learning rate 10x too high 640).
+TAU = 100.0
+SOFT_CAP = 50.0
 
 
 def _put_max(plan: Plan, slot: Slot, per_head: torch.Tensor) -> None:
@@ -46,15 +52,21 @@ class AttnLogits(Family):
 
     def flags(self, run: Run) -> list[Flag]:
         found = []
-        worst: dict[str, tuple[float, RunTag, tuple[int, float, str]]] = {}
+        # per stack, the worst module: past tau before past the soft cap, then the largest
+        worst: dict[str, tuple[bool, float, RunTag, tuple[int, float, str]]] = {}
         for t in run.tags:
             if t.parsed.series != "attn_logit_max":
                 continue
-            hit = blow_up(run.scalars[t.tag], LIMIT)
-            if hit is not None and (t.stack not in worst or hit[1] > worst[t.stack][0]):
-                worst[t.stack] = (hit[1], t, hit)
+            points = run.scalars[t.tag]
+            over_tau = past(points, TAU)
+            hit = over_tau or past(points, SOFT_CAP)
+            if hit is None:
+                continue
+            problem = over_tau is not None
+            if t.stack not in worst or (problem, hit[1]) > worst[t.stack][:2]:
+                worst[t.stack] = (problem, hit[1], t, hit)
         for stack in sorted(worst):
-            _, t, (step, value, why) = worst[stack]
+            problem, _, t, (step, value, why) = worst[stack]
             heads = dict(run.scalars.get(tags.prefix("attn_head_argmax") + t.module, []))
             head = f" (head {heads[step]:.0f})" if step in heads else ""
             found.append(
@@ -63,11 +75,12 @@ class AttnLogits(Family):
                     stack,
                     step,
                     value,
-                    LIMIT,
+                    TAU if problem else SOFT_CAP,
                     f"attention logits max |q.k|*scale of {t.module}{head} is {why}: attention "
                     "saturates toward one-hot; normalize queries and keys in the model's "
                     "attention (QK-norm: a LayerNorm or RMSNorm over each head's q and k), "
                     "soft-cap the logits, or lower the learning rate",
+                    PROBLEM if problem else NOTE,
                 )
             )
         return found

@@ -194,19 +194,27 @@ class Out(Protocol):
         ``normprobe/<series>/<subject>``: in the record's profiles, not as scalars."""
 
 
+Severity = Literal["problem", "note"]
+PROBLEM: Severity = "problem"  # worth stopping the run for: `normprobe report` exits 1
+NOTE: Severity = "note"  # worth a look; healthy runs raise these too (exit status 0)
+
+
 @dataclass(frozen=True)
 class Flag:
     """Something in a run that crossed a threshold.
 
     Attributes:
-        kind: ``residual growth``, ``representation collapse``, ``nan onset``,
-            ``nan onset in backward``, ``batchnorm drift``, ``logit blow-up``,
-            ``top-heavy gradients`` or ``bottom-heavy gradients``.
+        kind: ``residual growth``, ``residual jump``, ``representation collapse``, ``nan
+            onset``, ``nan onset in backward``, ``batchnorm drift``, ``logit blow-up``,
+            ``top-heavy gradients``, ``bottom-heavy gradients``, ``update too large``,
+            ``massive activations``, ``loss spike`` or ``gradient spike``.
         stack: the stack (or ``"model"``) it concerns.
         step: the logged step the evidence comes from.
         value: the measured value that crossed ``threshold``.
         threshold: the limit it was compared against (a constant of the family's file).
         message: the evidence and a suggestion, in a sentence or two.
+        severity: ``problem`` (no healthy run of the calibration set raises it:
+            ``benchmarks/calibration.py``) or ``note`` (worth a look, healthy runs may).
     """
 
     kind: str
@@ -215,6 +223,7 @@ class Flag:
     value: float
     threshold: float
     message: str
+    severity: Severity
 
     def __str__(self) -> str:
         return f"[{self.kind}] {self.stack} at step {self.step}: {self.message}"

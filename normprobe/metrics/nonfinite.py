@@ -11,7 +11,7 @@ import torch
 
 from .. import probes, tags
 from ..discovery.trace import iter_tensors
-from .base import MODEL, Family, Flag, Out, Plan, Run, Series, Side, Values
+from .base import MODEL, PROBLEM, Family, Flag, Out, Plan, Run, Series, Side, Values
 
 Ranks = dict[torch.device, torch.Tensor]  # 0, 1, 2, ... on each device, made once
 
@@ -216,6 +216,7 @@ def _forward_flags(run: Run) -> list[Flag]:
             0.0,
             f"NaN/Inf in {count:g} module outputs, {where}; check the learning rate, the "
             "data of that step and fp16 overflow (earlier logged steps were finite)",
+            PROBLEM,
         )
     ]
 
@@ -240,5 +241,6 @@ def _backward_flags(run: Run) -> list[Flag]:
             f"not at its input; {count:g} modules' input gradients affected); check its "
             "operations whose derivative is infinite where the forward is finite (sqrt, pow, "
             "log, division near zero) and fp16 overflow of gradients",
+            PROBLEM,
         )
     ]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from .. import probes, tags
-from .base import SUSTAIN, Family, Flag, Out, Plan, Run, Series, Values, sustained
+from .base import NOTE, PROBLEM, SUSTAIN, Family, Flag, Out, Plan, Run, Series, Values, sustained
 from .streams import Streams, stream_rms
 
 # Residual growth needs both a shape and a size. Shape: log RMS against log depth rising with a
@@ -16,8 +17,17 @@ from .streams import Streams, stream_rms
 SLOPE_LIMIT = 0.3
 GROWTH_MIN = 3.0
 # Any shape: an unscaled stream of 50 layers grows its std x10 (variance x101, the tutorial's
-# check [f]); a stack growing that much is flagged whatever its slope.
+# check [f]); a stack growing that much is flagged whatever its slope. Residual growth is a
+# note: Pre-LN's stream grows with depth by design (a 16-block TinyTransformer, Pre-LN, passes
+# 10 within 60 AdamW steps and trains as well as its Post-LN twin; the calibration set's healthy
+# runs pass 9.6 in their first steps); a single layer's growth is `JUMP_LIMIT`'s problem.
 GROWTH_LIMIT = 10.0
+# Residual jump, a problem: a block whose stream's RMS is this many times the previous block's.
+# One layer writes far more than the others (a layer scaled up, a branch that blew up), and the
+# stack's growth is that layer's, not depth's. In benchmarks/calibration.py healthy runs end
+# at most 1.4x from one block to the next; a block whose MLP output is scaled by 1e4 reads
+# 7e3, one that adds a massive activation to one channel 120-210.
+JUMP_LIMIT = 10.0
 # `diagnose` checks the slope only on stacks this deep: over fewer blocks it is mostly the first
 # block's noise.
 MIN_DEPTH = 4
@@ -65,45 +75,97 @@ class ResidRms(Family):
         plan.on_record(record)
 
     def flags(self, run: Run) -> list[Flag]:
-        found = []
-        for stack in sorted({t.stack for t in run.tags if t.parsed.series == "resid_growth"}):
-            growth = run.scalars.get(tags.format("resid_growth", stack), [])
-            slopes = dict(run.scalars.get(tags.format("resid_slope", stack), []))
+        return _growth_flags(run) + _jump_flags(run)
 
-            # growth past the limit, or past the minimum with a rising slope (-1: neither)
-            marked = [
-                (
-                    s,
-                    g
-                    if g >= GROWTH_LIMIT or (g >= GROWTH_MIN and slopes.get(s, 0) >= SLOPE_LIMIT)
-                    else -1,
-                )
-                for s, g in growth
-            ]
-            hits = sustained(marked, lambda g: g >= 0)
-            if len(hits) < SUSTAIN:
-                continue
-            step, g = hits[-1]
-            s = slopes.get(step, math.nan)
-            if g >= GROWTH_LIMIT:
-                why = f"resid_growth {g:.3g} >= {GROWTH_LIMIT:g}"
-            else:
-                why = (
-                    f"resid_growth {g:.3g} >= {GROWTH_MIN:g} and resid_slope {s:.3g} >= "
-                    f"{SLOPE_LIMIT} (0.5 is Pre-LN's sqrt(l) growth)"
-                )
-            found.append(
-                Flag(
-                    "residual growth",
-                    stack,
-                    step,
-                    g,
-                    GROWTH_LIMIT if g >= GROWTH_LIMIT else GROWTH_MIN,
-                    f"{why} at {len(hits)} logged steps: the last block's stream has {g:.3g}x the "
-                    "RMS of the first block's, so deep blocks' writes are diluted; keep a final "
-                    "norm before the head, or scale the residual branches "
-                    "(normprobe.reinit(model, 'gpt2'), "
-                    "normprobe.insert_branch_scale(model, 'layerscale'))",
-                )
+
+def _growth_flags(run: Run) -> list[Flag]:
+    found = []
+    for stack in sorted({t.stack for t in run.tags if t.parsed.series == "resid_growth"}):
+        growth = run.scalars.get(tags.format("resid_growth", stack), [])
+        slopes = dict(run.scalars.get(tags.format("resid_slope", stack), []))
+
+        # growth past the limit, or past the minimum with a rising slope (-1: neither)
+        marked = [
+            (
+                s,
+                g
+                if g >= GROWTH_LIMIT or (g >= GROWTH_MIN and slopes.get(s, 0) >= SLOPE_LIMIT)
+                else -1,
             )
-        return found
+            for s, g in growth
+        ]
+        hits = sustained(marked, lambda g: g >= 0)
+        if len(hits) < SUSTAIN:
+            continue
+        step, g = hits[-1]
+        s = slopes.get(step, math.nan)
+        if g >= GROWTH_LIMIT:
+            why = f"resid_growth {g:.3g} >= {GROWTH_LIMIT:g}"
+        else:
+            why = (
+                f"resid_growth {g:.3g} >= {GROWTH_MIN:g} and resid_slope {s:.3g} >= "
+                f"{SLOPE_LIMIT} (0.5 is Pre-LN's sqrt(l) growth)"
+            )
+        found.append(
+            Flag(
+                "residual growth",
+                stack,
+                step,
+                g,
+                GROWTH_LIMIT if g >= GROWTH_LIMIT else GROWTH_MIN,
+                f"{why} at {len(hits)} logged steps: the last block's stream has {g:.3g}x the "
+                "RMS of the first block's, so deep blocks' writes are diluted; keep a final "
+                "norm before the head, or scale the residual branches "
+                "(normprobe.reinit(model, 'gpt2'), "
+                "normprobe.insert_branch_scale(model, 'layerscale'))",
+                NOTE,
+            )
+        )
+    return found
+
+
+def _jumps(run: Run, stack: str) -> dict[int, tuple[float, tuple[int, int]]]:
+    """Per logged step: the largest ratio of a block's stream RMS to that of the block logged
+    before it, and the two blocks."""
+    blocks = sorted(
+        (t.parsed.block, t.tag)
+        for t in run.tags
+        if t.parsed.series == "resid_rms" and t.stack == stack and t.parsed.block is not None
+    )
+    series = [(b, dict(run.scalars[tag])) for b, tag in blocks]
+    found: dict[int, tuple[float, tuple[int, int]]] = {}
+    for (a, before), (b, after) in itertools.pairwise(series):
+        for step, v in after.items():
+            u = before.get(step)
+            if u is None or not (u > 0 and math.isfinite(v)):
+                continue
+            if step not in found or v / u > found[step][0]:
+                found[step] = (v / u, (a, b))
+    return dict(sorted(found.items()))
+
+
+def _jump_flags(run: Run) -> list[Flag]:
+    found = []
+    for stack in sorted({t.stack for t in run.tags if t.parsed.series == "resid_rms"}):
+        jumps = _jumps(run, stack)
+        hits = sustained([(s, r) for s, (r, _) in jumps.items()], lambda r: r >= JUMP_LIMIT)
+        if len(hits) < SUSTAIN:
+            continue
+        step, ratio = hits[-1]
+        a, b = jumps[step][1]
+        found.append(
+            Flag(
+                "residual jump",
+                stack,
+                step,
+                ratio,
+                JUMP_LIMIT,
+                f"the stream leaving block {b} has {ratio:.3g}x the RMS of the one leaving block "
+                f"{a} (>= {JUMP_LIMIT:g} at {len(hits)} logged steps): one layer of block {b} "
+                "writes far more than the rest of the stack; look at that block's output "
+                "(a scale, a branch that blew up, its init) rather than re-initializing the "
+                "whole model",
+                PROBLEM,
+            )
+        )
+    return found

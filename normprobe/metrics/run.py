@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .. import tags
 from . import FAMILIES, SERIES
-from .base import MODEL, Flag, Points, RunTag
+from .base import MODEL, PROBLEM, Flag, Points, RunTag
 
 
 def run_tags(tag_names: Sequence[str]) -> list[RunTag]:
@@ -63,9 +63,38 @@ class RunView:
 def run_flags(
     scalars: Mapping[str, Points], texts: Mapping[str, list[tuple[int, str]]]
 ) -> list[Flag]:
-    """Every family's flags on a run: NaN onset first (what came after it is its consequence),
-    then stack by stack."""
+    """Every family's flags on a run: problems, then notes; in each, NaN onset first (what came
+    after it is its consequence), then stack by stack."""
     run = RunView(scalars, texts, run_tags(list(scalars)))
     found = [(i, flag) for i, family in enumerate(FAMILIES) for flag in family.flags(run)]
-    found.sort(key=lambda f: (f[1].kind != "nan onset", f[1].stack == MODEL, f[1].stack, f[0]))
+    found.sort(
+        key=lambda f: (
+            f[1].severity != PROBLEM,
+            f[1].kind != "nan onset",
+            f[1].stack == MODEL,
+            f[1].stack,
+            f[0],
+        )
+    )
     return [flag for _, flag in found]
+
+
+def problems(flags: Sequence[Flag]) -> list[Flag]:
+    """The flags worth stopping for (`normprobe report`'s exit status 1)."""
+    return [f for f in flags if f.severity == PROBLEM]
+
+
+def flag_lines(flags: Sequence[Flag], indent: str = "  ") -> list[str]:
+    """The flags as `report` prints them: problems, then notes, each under its heading."""
+    lines = []
+    found = problems(flags)
+    notes = [f for f in flags if f.severity != PROBLEM]
+    if found:
+        lines.append(f"Problems ({len(found)}), worth stopping for:")
+        lines += [f"{indent}{f}" for f in found]
+    elif notes:
+        lines.append("No problems.")
+    if notes:
+        lines.append(f"Notes ({len(notes)}), worth a look (healthy runs raise these too):")
+        lines += [f"{indent}{f}" for f in notes]
+    return lines or ["No flags."]

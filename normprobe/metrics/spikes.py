@@ -15,9 +15,16 @@ import re
 from dataclasses import dataclass
 
 from .. import tags
-from .base import MODEL, Family, Flag, Plan, Run, Series
+from .base import MODEL, NOTE, PROBLEM, Family, Flag, Plan, Run, Series
 
 SERIES = "spike"
+# A spike is a note: healthy runs have some (benchmarks/calibration.py: a GPT-2 gradient spike
+# at z 7.5; a ResNet whose loss, memorized down to 1e-4, jumps to 2e-3 at z 6.9). It is a
+# problem when spikes recur, RECUR of them within RECUR_STEPS steps: a loss that stays up
+# after a jump (the loss following the spike) is a spike again at the next steps, until its
+# history catches up.
+RECUR = 3
+RECUR_STEPS = 200
 # how the event's text states the rule, which `flags` reads the threshold back from
 _RULE = re.compile(r"above mean \+ (\S+) std")
 
@@ -117,15 +124,20 @@ class Spikes(Family):
 
     def flags(self, run: Run) -> list[Flag]:
         """One flag per spike, named after the loss when it spiked (its gradient, which
-        mostly spikes with it, is in the message), else after the gradient norm."""
+        mostly spikes with it, is in the message), else after the gradient norm; a problem
+        when spikes recur, else a note."""
         texts = dict(run.texts.get(tags.format(SERIES, "blocks"), []))
         loss = dict(run.scalars.get(tags.format(SERIES, "loss_z"), []))
         grad = dict(run.scalars.get(tags.format(SERIES, "grad_z"), []))
         found = []
-        for step in sorted(loss.keys() | grad.keys()):
+        steps = sorted(loss.keys() | grad.keys())
+        for step in steps:
             kind, z = ("loss spike", loss[step]) if step in loss else ("gradient spike", grad[step])
             text = texts.get(step, f"step {step}: z {z:.3g}.").partition(": ")[2]
             rule = _RULE.search(text)
+            near = [s for s in steps if abs(s - step) <= RECUR_STEPS]
+            recurs = len(near) >= RECUR
+            again = f" {len(near)} spikes within {RECUR_STEPS} steps of it." if recurs else ""
             found.append(
                 Flag(
                     kind,
@@ -133,8 +145,9 @@ class Spikes(Family):
                     step,
                     z,
                     float(rule[1]) if rule else math.nan,
-                    f"{text} The steps after it are logged in full: look at that step's batch "
-                    "and at the blocks whose gradient rose",
+                    f"{text}{again} The steps after it are logged in full: look at that step's "
+                    "batch and at the blocks whose gradient rose",
+                    PROBLEM if recurs else NOTE,
                 )
             )
         return found

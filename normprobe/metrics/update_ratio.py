@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import math
+import statistics
+
 import torch
 
 from .. import probes
-from .base import Family, Out, Plan, Series, Values
+from .base import PROBLEM, Family, Flag, Out, Plan, Run, Series, Values
 from .params import BlockParams, write_root_ratios
 
 # The ratio compares parameters across the step: a copy of at most this fraction of each
 # parameter is kept (and at least SAMPLE_MIN entries, the whole of smaller ones).
 SAMPLE_FRACTION = 0.005
 SAMPLE_MIN = 4096
+
+
+# A stack's update ratio (its blocks' mean) at or past this at any logged step: the optimizer
+# step moved its weights by a tenth of their norm. Adam's first steps move every weight by about
+# the learning rate, so there the ratio reads lr / weight RMS, the learning rate against the
+# init's scale (trained models sit near 1e-3, Karpathy's rule of thumb). Healthy runs of
+# benchmarks/calibration.py peak at 0.013-0.057 (lr 3e-3 on weights of std 0.02, at step 0)
+# and end at 3e-6-0.01, the learning rate 10x too high peaks at 0.55; one logged step counts,
+# as a learning rate that high moves the weights at the first steps and the ratio falls back
+# as they grow (0.06 at step 10, 0.008 at step 30).
+LIMIT = 0.1
 
 
 def sample_budget(numel: int) -> int:
@@ -66,3 +80,35 @@ class UpdateRatio(Family):
         plan.after_step(measure)
         plan.on_clear(before.clear)  # a step ended without an optimizer step: nothing to compare
         plan.on_record(record)
+
+    def flags(self, run: Run) -> list[Flag]:
+        found = []
+        for stack in sorted({t.stack for t in run.tags if t.parsed.series == "update_ratio"}):
+            by_step: dict[int, list[float]] = {}
+            for t in run.tags:
+                if t.parsed.series == "update_ratio" and t.stack == stack:
+                    for s, v in run.scalars[t.tag]:
+                        if math.isfinite(v):
+                            by_step.setdefault(s, []).append(v)
+            means = [(s, statistics.fmean(vs)) for s, vs in sorted(by_step.items())]
+            past = [(s, m) for s, m in means if m >= LIMIT]
+            if not past:
+                continue
+            step, ratio = max(past, key=lambda p: p[1])
+            found.append(
+                Flag(
+                    "update too large",
+                    stack,
+                    step,
+                    ratio,
+                    LIMIT,
+                    f"the optimizer step moved the blocks' weights by {ratio:.3g}x their norm "
+                    f"(update_ratio, mean over blocks; >= {LIMIT:g} at {len(past)} of "
+                    f"{len(means)} logged steps, first at step {past[0][0]}): the learning "
+                    "rate is large for the weights' scale (Adam moves each weight by about the "
+                    "learning rate; ~1e-3 of the norm is the usual rule of thumb); lower it or "
+                    "warm it up",
+                    PROBLEM,
+                )
+            )
+        return found
