@@ -236,8 +236,9 @@ def test_schedule_event_files_layout_and_depth_view(tmp_path: Path) -> None:
         (category.title, chart.title) for category in events.layouts[0].category
         for chart in category.chart
     }  # fmt: skip
-    assert ("normprobe resid_rms", "blocks") in titles
-    assert ("normprobe norm_out_rms", "blocks ln_1") in titles
+    # a chart per block (3 blocks: all of them), a line per run in each
+    assert {("normprobe resid_rms", f"blocks/{b}") for b in range(3)} <= titles
+    assert ("normprobe norm_out_rms", "blocks/2.ln_1") in titles
 
 
 def test_every_block_gets_a_tag_up_to_the_cap(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
 from tensorboard.summary.writer import record_writer
 
 from normprobe import tags
-from normprobe.sinks import Record, TensorBoardSink, masked_crc32c
+from normprobe.sinks import Record, TensorBoardSink, heatmap_tag, masked_crc32c
 
 
 def test_masked_crc32c_is_tensorboards_own() -> None:
@@ -53,7 +53,7 @@ def test_heatmaps_are_redrawn_at_a_bounded_cadence(
     for record in _profile_records(6):
         sink.write(record)
     sink.close()
-    images = read_events(str(tmp_path)).images[tags.format("heatmap", "grad_norm/blocks")]
+    images = read_events(str(tmp_path)).images[heatmap_tag("grad_norm", "blocks")]
     # from 4 logged steps on, at every record but at most once an hour; and at the close
     # unless nothing changed since the last drawing
     assert images == drawn
