@@ -2,7 +2,8 @@
 
 `save` writes a grid of line-chart panels as PNG: `report` draws its depth profiles this way,
 `muparam` its coordinate check. `depth_heatmap` renders one metric over blocks and steps as an
-RGB array (block x step, a colour bar).
+RGB array (block x step at the steps' true positions, a clipped and labelled colour bar, and
+optionally the profile's shape: each step divided by its mean over blocks).
 
 matplotlib is imported only inside the functions that draw, and only its Agg canvas is used
 (a `Figure` of its own, never pyplot): importing this module costs nothing and leaves the
@@ -386,14 +387,15 @@ def heatmap_axes(
 
 def off_cadence(steps: Sequence[int]) -> list[int]:
     """The steps logged between the regular ones (the extra steps a probe logs after a spike):
-    off the grid of the gap that spans most of the run, at its most common offset. The first
-    step is never one (a trainer logs its step 0 before the grid starts)."""
+    off the grid of the gap that spans most of the run, at the offset of most steps that gap
+    led to. The first step is never one (a trainer logs its step 0 before the grid starts)."""
     gaps = np.diff(np.asarray(steps, dtype=np.int64))
     if gaps.size < 2 or (gaps <= 0).any():
         return []
     found, counts = np.unique(gaps, return_counts=True)
     cadence = int(found[(found * counts).argmax()])
-    offsets, counts = np.unique(np.asarray(steps) % cadence, return_counts=True)
+    regular = np.asarray(steps[1:])[gaps == cadence]  # the steps a cadence's gap led to
+    offsets, counts = np.unique(regular % cadence, return_counts=True)
     grid = int(offsets[counts.argmax()])
     return [s for s in steps[1:] if s % cadence != grid]
 
@@ -494,7 +496,9 @@ def _heat_panel(
     bar.set_label(f"{label} ({scale})" if label else scale, fontsize=9)
     if cmap_name != "viridis":  # the shape's powers of two: 0.25, 0.5, 1, 2, 4
         lo, hi = (math.log2(v) for v in (heat.norm.vmin, heat.norm.vmax))  # type: ignore[arg-type]
-        cax.yaxis.set_ticks([2.0**k for k in range(math.ceil(lo), math.floor(hi) + 1)], minor=False)
+        every = 1 + int(hi - lo) // 6  # at most about 6 ticks
+        powers = range(math.ceil(lo / every) * every, math.floor(hi) + 1, every)
+        cax.yaxis.set_ticks([2.0**k for k in powers], minor=False)
         cax.yaxis.set_ticks([], minor=True)
         _plain_log_labels(cax.yaxis)
     elif log:

@@ -135,16 +135,18 @@ class TensorBoardSink:
     """Writes records to a `torch.utils.tensorboard.SummaryWriter`.
 
     * Scalars: plain tags (the Scalars and Time Series tabs).
-    * Custom Scalars: the run's health summary first (gradient ratio, residual growth,
-      attention logits, non-finite outputs, the loss), then one multi-line chart per series
-      and stack.
-    * Images: per stack and per-block series, a depth heatmap (block against logged step),
-      rewritten every ``heatmap_every`` records but at most once a minute (``heatmap_seconds``),
-      and when the sink closes: one image per series
-      and stack each time (about 20 KB), from `HEATMAP_MIN_COLUMNS` logged steps on, at most
-      `HEATMAP_COLUMNS` columns. Per-head series (``attn_logits_head``) get, at the same
-      cadence, one heads x blocks image per stack and position in the block (``attn``) of the
-      latest logged step.
+    * Custom Scalars: the run's health summary first (the `LOG2` ratios as log2 and each
+      stack's largest `STACK_MAX` value, under ``normprobe/summary/``, which this sink adds;
+      non-finite outputs; the loss), then per series and stack a chart per block for
+      `CHART_BLOCKS` blocks spread over the depth: one tag, a line per run, each.
+    * Images: per stack and per-block series, a depth heatmap (block against step, titled with
+      the run: the log dir's name; log-scale series with a second, shape panel), rewritten
+      every ``heatmap_every`` records but at most once a minute (``heatmap_seconds``), and
+      when the sink closes: one image per series and stack each time (about 30 KB), from
+      `HEATMAP_MIN_COLUMNS` logged steps on, at most `HEATMAP_COLUMNS` columns, under
+      `heatmap_tag` (gradient norms first). Per-head series (``attn_logits_head``) get, at the
+      same cadence, one heads x blocks image per stack and position in the block (``attn``) of
+      the latest logged step.
     * Text: ``normprobe/flags/run``, what `normprobe report` would flag so far, rewritten when it
       changes at the same cadence.
     * The depth profiles themselves are stored for `report` in summaries TensorBoard does not
@@ -165,7 +167,7 @@ class TensorBoardSink:
             holds it already, as when a run resumes).
         heatmap_every: rewrite the flags, and the heatmaps, every this many records (0: never).
         heatmap_seconds: and the heatmaps at most once in this many seconds (drawing one takes
-            about 80 ms of the training thread's time).
+            about 130 ms of the training thread's time).
         depth_histograms: also write the depth profiles as histograms.
     """
 

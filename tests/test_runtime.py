@@ -227,6 +227,7 @@ def test_schedule_event_files_layout_and_depth_view(tmp_path: Path) -> None:
         "norm_gain_mean", "norm_gain_std", "grad_norm", "grad_ratio", "update_ratio", "logits",
         "attn_logit_max", "nonfinite", "weight_rms", "outlier_ratio", "outlier_channel",
         "outlier_kurtosis", "attn_head_max", "attn_head_argmax", "attn_heads_over_tau",
+        "summary",  # the sink's log2 ratios and each stack's largest logit, for the dashboard
     }  # fmt: skip
     # depth view: one histogram per metric and stack, one bucket per block
     steps, buckets = zip(*events.profiles[tags.format("resid_rms", "blocks")], strict=True)
