@@ -364,20 +364,29 @@ def heatmap_tag(series: str, stack: str, layer: str = "") -> str:
 
 def _layout(scalars: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars dashboard: the summary, then the charts of each series and stack."""
-    summary = {}
+    names = list(scalars)
+    summary: dict[str, list[Any]] = {}
     for title, series in SUMMARY:
         if series in LOG2:
-            title, regex = f"log2 {title} (0: even)", _summary_prefix(f"{series}_log2")
+            summary[f"log2 {title} (0: even)"] = _chart(_summary_prefix(f"{series}_log2") + ".*")
         elif series in STACK_MAX:
-            title, regex = f"{title} (each stack's largest)", _summary_prefix(series)
+            summary[f"{title} (each stack's largest)"] = _chart(_summary_prefix(series) + ".*")
+        elif len(found := [t for t in names if t.startswith(tags.prefix(series))]) > 1:
+            for tag in found:  # a chart per tag: NaN/Inf in outputs, in gradients
+                subject = tag.removeprefix(tags.prefix(series))
+                summary[f"{title}: {subject}"] = _chart(re.escape(tag))
         else:
-            regex = re.escape(tags.prefix(series))
-        summary[title] = ["Multiline", [f"^{regex}.*$"]]
+            summary[title] = _chart(re.escape(tags.prefix(series)) + ".*")
     summary["loss"] = ["Multiline", [LOSS_REGEX]]
     categories: dict[str, dict[str, list[Any]]] = {f"{tags.PREFIX} summary": summary}
-    for category, title, regex in charts(scalars):
+    for category, title, regex in charts(names):
         categories.setdefault(category, {})[title] = ["Multiline", [regex]]
     return categories
+
+
+def _chart(regex: str) -> list[Any]:
+    """A multi-line chart of the tags that ``regex`` matches whole."""
+    return ["Multiline", [f"^{regex}$"]]
 
 
 def _summary_prefix(name: str) -> str:

@@ -48,6 +48,11 @@ def test_server_lists_tags_layout_and_depth_heatmaps(
     summary = {c["title"]: c["multiline"]["tag"] for c in layout["category"][0]["chart"]}
     log2 = summary["log2 gradient ratio, last / first block (0: even)"]
     assert log2 == [f"^{re.escape(tags.prefix('summary', 'grad_ratio_log2'))}.*$"]
+    nonfinite = [t for t in summary if t.startswith("modules with NaN/Inf outputs")]
+    assert sorted(nonfinite) == [  # one tag a chart: lines of one run share its colour
+        "modules with NaN/Inf outputs: backward_modules",
+        "modules with NaN/Inf outputs: modules",
+    ]
     # the log2 companion: 0.5 and 100 read on one axis as -1 and 6.6
     companion = tags.format("summary", "grad_ratio_log2/blocks")
     twin = get_json(f"{url}/data/plugin/scalars/scalars?run=pre_ln&tag={companion}")
