@@ -65,7 +65,10 @@ def _colour_pixels(image: Image.Image) -> int:
     return count
 
 
-def _run(logs: Path) -> None:
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One short run, trained once for every test here: ``<logs>/demo``."""
+    logs = tmp_path_factory.mktemp("runs")
     model = TinyTransformer(depth=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with normprobe.attach(model, opt, log_dir=str(logs / "demo"), every=2):
@@ -74,11 +77,12 @@ def _run(logs: Path) -> None:
             model.loss(x, x).backward()
             opt.step()
             opt.zero_grad()
+    return logs
 
 
-def test_custom_scalars_and_depth_view_render(serve: Callable[[Path], str], tmp_path: Path) -> None:
-    logs = tmp_path / "runs"
-    _run(logs)
+def test_custom_scalars_and_depth_view_render(
+    serve: Callable[[Path], str], tmp_path: Path, logs: Path
+) -> None:
     url = serve(logs)
     deadline = time.monotonic() + 60
     while "demo" not in get_json(f"{url}/data/plugin/scalars/tags"):
@@ -96,10 +100,8 @@ def test_custom_scalars_and_depth_view_render(serve: Callable[[Path], str], tmp_
 
 
 def test_dashboard_url_opens_time_series_on_the_summary(
-    serve: Callable[[Path], str], tmp_path: Path
+    serve: Callable[[Path], str], tmp_path: Path, logs: Path
 ) -> None:
-    logs = tmp_path / "runs"
-    _run(logs)
     url = serve(logs)
     deadline = time.monotonic() + 60
     while "demo" not in get_json(f"{url}/data/plugin/scalars/tags"):
@@ -153,10 +155,8 @@ new Promise((resolve) => {
 
 
 def test_images_tab_shows_the_gradient_heatmap_first_and_per_head_last(
-    serve: Callable[[Path], str], tmp_path: Path
+    serve: Callable[[Path], str], tmp_path: Path, logs: Path
 ) -> None:
-    logs = tmp_path / "runs"
-    _run(logs)
     url = serve(logs)
     deadline = time.monotonic() + 60
     while "demo" not in get_json(f"{url}/data/plugin/images/tags"):
