@@ -498,9 +498,8 @@ def _heat_panel(
         lo, hi = (math.log2(v) for v in (heat.norm.vmin, heat.norm.vmax))  # type: ignore[arg-type]
         every = 1 + int(hi - lo) // 6  # at most about 6 ticks
         powers = range(math.ceil(lo / every) * every, math.floor(hi) + 1, every)
-        cax.yaxis.set_ticks([2.0**k for k in powers], minor=False)
-        cax.yaxis.set_ticks([], minor=True)
-        _plain_log_labels(cax.yaxis)
+        bar.set_ticks([2.0**k for k in powers], labels=[f"{2.0**k:g}" for k in powers])
+        bar.minorticks_off()
     elif log:
         _plain_log_labels(cax.yaxis)
     cax.tick_params(which="both", labelsize=8)
