@@ -491,22 +491,41 @@ def _heat_panel(
     mesh = ax.pcolorfast(xs, ys, shown, cmap=cmap, norm=heat.norm)
     ax.set_xlim(xs[0], xs[-1])
     bar = fig.colorbar(mesh, cax=cax, extend=heat.extend, extendfrac=0.06)
-    clipped = "" if heat.extend == "neither" else ", clipped"
-    scale = ("log" if log else "linear") + clipped
+    scale = "log" if log else "linear"  # clipped: the bar's arrows say so
     bar.set_label(f"{label} ({scale})" if label else scale, fontsize=9)
+    # at the image's right edge, clear of the widest tick labels (matplotlib skips minor ones)
+    box = cax.get_position()
+    cax.yaxis.set_label_coords((1 - 16 / HEATMAP_WIDTH - box.x0) / box.width, 0.5)
     if cmap_name != "viridis":  # the shape's powers of two: 0.25, 0.5, 1, 2, 4
         lo, hi = (math.log2(v) for v in (heat.norm.vmin, heat.norm.vmax))  # type: ignore[arg-type]
         every = 1 + int(hi - lo) // 6  # at most about 6 ticks
         powers = range(math.ceil(lo / every) * every, math.floor(hi) + 1, every)
-        bar.set_ticks([2.0**k for k in powers], labels=[f"{2.0**k:g}" for k in powers])
+        labels = [f"{2.0**k:g}" if k >= 0 else f"1/{2.0**-k:g}" for k in powers]
+        bar.set_ticks([2.0**k for k in powers], labels=labels)
         bar.minorticks_off()
     elif log:
-        _plain_log_labels(cax.yaxis)
+        _bar_log_labels(cax.yaxis, heat.norm)
     cax.tick_params(which="both", labelsize=8)
     ax.yaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
     ax.tick_params(labelsize=9)
     if not shown.count():
         ax.text(0.5, 0.5, "no values", ha="center", va="center", transform=ax.transAxes)
+
+
+def _bar_log_labels(axis: Axis, norm: Normalize) -> None:
+    """Plain numbers on a log colour bar (0.01, 20); within less than `LOG_DECADES` decades
+    the minor ticks at 2, 3 and 5 times a power of ten are labelled too (0.2, 0.3, 0.5)."""
+    from matplotlib.ticker import FuncFormatter
+
+    lo, hi = (math.log10(v) for v in (norm.vmin, norm.vmax))  # type: ignore[arg-type]
+    few = hi - lo < LOG_DECADES
+
+    def minor(v: float, _: object) -> str:
+        mantissa = round(v / 10 ** math.floor(math.log10(v) + 1e-9))
+        return f"{v:.1g}" if few and mantissa in (2, 3, 5) else ""
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(minor))
 
 
 def _x_axis(
