@@ -3,8 +3,10 @@
     python docs/make_pictures.py [--root runs]   # after `make demo`; needs chromium
 
 Starts a TensorBoard on the demo's runs and has headless Chromium render the Custom Scalars
-dashboard (the runs' health summary first) and the Images tab (the depth heatmaps) into
-``docs/custom_scalars.png`` and ``docs/heatmaps.png``.
+dashboard (the runs' health summary first) and the Images tab (the depth heatmaps, gradient
+norms first) into ``docs/custom_scalars.png`` and ``docs/heatmaps.png``; and copies the Post-LN
+and Pre-LN runs' gradient-norm heatmaps, as the event files hold them, to
+``docs/heatmap_post_ln.png`` and ``docs/heatmap_pre_ln.png``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import urllib.request
 from pathlib import Path
 
 DOCS = Path(__file__).parent
+# the Images tab shows images 350 pixels wide, two a row beside the sidebar: four heatmaps
+WINDOW = {"custom_scalars": "1400,1100", "images": "1080,1160"}
 
 
 def _free_port() -> int:
@@ -28,11 +32,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _screenshot(chromium: str, url: str, out: Path, profile: str) -> None:
+def _screenshot(chromium: str, url: str, out: Path, profile: str, window: str) -> None:
     subprocess.run(
         [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
          "--no-first-run", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", f"--user-data-dir={profile}", "--window-size=1400,1100",
+         "--disable-sync", f"--user-data-dir={profile}", f"--window-size={window}",
          "--virtual-time-budget=30000", f"--screenshot={out}", url],
         capture_output=True, timeout=180, check=True,
     )  # fmt: skip
@@ -64,14 +68,31 @@ def main() -> None:
             except OSError:
                 pass
             time.sleep(0.5)
-        with tempfile.TemporaryDirectory() as profile:
-            _screenshot(chromium, f"{url}/#custom_scalars", DOCS / "custom_scalars.png", profile)
-        with tempfile.TemporaryDirectory() as profile:
-            _screenshot(chromium, f"{url}/#images", DOCS / "heatmaps.png", profile)
+        for tab, name in (("custom_scalars", "custom_scalars"), ("images", "heatmaps")):
+            with tempfile.TemporaryDirectory() as profile:
+                _screenshot(chromium, f"{url}/#{tab}", DOCS / f"{name}.png", profile, WINDOW[tab])
     finally:
         server.terminate()
         server.wait(timeout=30)
-    print(f"wrote {DOCS / 'custom_scalars.png'} and {DOCS / 'heatmaps.png'}")
+    for run in ("post-ln", "pre-ln"):
+        _copy_heatmap(logs / run, DOCS / f"heatmap_{run.replace('-', '_')}.png")
+    print(
+        f"wrote custom_scalars.png, heatmaps.png, heatmap_post_ln.png, heatmap_pre_ln.png in {DOCS}"
+    )
+
+
+def _copy_heatmap(run: Path, out: Path) -> None:
+    """The run's last gradient-norm heatmap, the PNG its event file holds."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    from normprobe.sinks import heatmap_tag
+
+    acc = ea.EventAccumulator(str(run), size_guidance={ea.IMAGES: 0})
+    acc.Reload()
+    tag = heatmap_tag("grad_norm", "model.blocks")
+    if tag not in acc.Tags()[ea.IMAGES]:
+        raise SystemExit(f"make_pictures: no {tag} in {run}: run `make demo` again")
+    out.write_bytes(acc.Images(tag)[-1].encoded_image_string)
 
 
 if __name__ == "__main__":

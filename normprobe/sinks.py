@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import os
 import re
@@ -23,6 +24,7 @@ import google_crc32c
 from tensorboard.compat.proto.summary_pb2 import Summary
 
 from . import tags
+from .common import spread
 from .metrics import SERIES
 
 # A chart of the custom-scalars dashboard: (category, title, regex of the tags it draws).
@@ -153,27 +155,55 @@ SUMMARY = (
     ("modules with NaN/Inf outputs", "nonfinite"),
 )
 LOSS_REGEX = r"^(train/loss|train_loss|loss)$"
+# the summary draws these ratios as log2 (``normprobe/summary/<series>_log2/<stack>``): a run at
+# 100 and one at 0.5 both read on one axis
+LOG2 = ("grad_ratio", "resid_growth")
+# and these per-module series as each stack's largest (``normprobe/summary/<series>/<stack>``)
+STACK_MAX = ("attn_logit_max",)
+# Custom Scalars charts of a per-block series: this many blocks spread over the depth, one chart
+# each (TensorBoard colours a chart's lines by run, without a legend)
+CHART_BLOCKS = 4
 PROFILE_PLUGIN = "normprobe_profile"  # a depth profile, for `report`; TensorBoard shows none
 # heatmaps keep at most this many logged steps (halved, keeping every other, when full)
 HEATMAP_COLUMNS = 256
 HEATMAP_MIN_COLUMNS = 4  # fewer logged steps say nothing a line chart does not
 HISTORY = 32  # logged steps of each scalar kept to judge flags as the run goes
+# the Images tab sorts tags by name: heatmaps are ranked, gradient norms first, per-head last
+HEATMAP_ORDER = (
+    ["grad_norm"]
+    + [n for n, s in SERIES.items() if n != "grad_norm" and not s.heads]
+    + [n for n, s in SERIES.items() if s.heads]
+)
+# a heatmap's colour bar: the metric and its unit
+LABELS = {
+    "grad_norm": "gradient L2 norm",
+    "resid_rms": "residual stream RMS",
+    "resid_cos": "cosine, stream in vs out",
+    "outlier_ratio": "max |x| / median |x|",
+    "outlier_channel": "channel of max |x|",
+    "outlier_kurtosis": "kurtosis of channel RMS",
+    "update_ratio": "|Δw| / |w| per step",
+    "weight_rms": "parameter RMS",
+    "attn_logits_head": "max |q·k|·scale",
+}
 
 
 class TensorBoardSink:
     """Writes records to a `torch.utils.tensorboard.SummaryWriter`.
 
     * Scalars: plain tags (the Scalars and Time Series tabs).
-    * Custom Scalars: the run's health summary first (gradient ratio, residual growth,
-      attention logits, non-finite outputs, the loss), then one multi-line chart per series
-      and stack.
-    * Images: per stack and per-block series, a depth heatmap (block against logged step),
-      rewritten every ``heatmap_every`` records but at most once a minute (``heatmap_seconds``),
-      and when the sink closes: one image per series
-      and stack each time (about 20 KB), from `HEATMAP_MIN_COLUMNS` logged steps on, at most
-      `HEATMAP_COLUMNS` columns. Per-head series (``attn_logits_head``) get, at the same
-      cadence, one heads x blocks image per stack and position in the block (``attn``) of the
-      latest logged step.
+    * Custom Scalars: the run's health summary first (the `LOG2` ratios as log2 and each
+      stack's largest `STACK_MAX` value, under ``normprobe/summary/``, which this sink adds;
+      non-finite outputs; the loss), then per series and stack a chart per block for
+      `CHART_BLOCKS` blocks spread over the depth: one tag, a line per run, each.
+    * Images: per stack and per-block series, a depth heatmap (block against step, titled with
+      the run: the log dir's name; log-scale series with a second, shape panel), rewritten
+      every ``heatmap_every`` records but at most once a minute (``heatmap_seconds``), and
+      when the sink closes: one image per series and stack each time (about 30 KB), from
+      `HEATMAP_MIN_COLUMNS` logged steps on, at most `HEATMAP_COLUMNS` columns, under
+      `heatmap_tag` (gradient norms first). Per-head series (``attn_logits_head``) get, at the
+      same cadence, one heads x blocks image per stack and position in the block (``attn``) of
+      the latest logged step.
     * Text: ``normprobe/flags/run``, what `normprobe report` would flag so far, problems then
       notes under bold headings, rewritten when it changes at the same cadence.
     * The depth profiles themselves are stored for `report` in summaries TensorBoard does not
@@ -194,7 +224,7 @@ class TensorBoardSink:
             holds it already, as when a run resumes).
         heatmap_every: rewrite the flags, and the heatmaps, every this many records (0: never).
         heatmap_seconds: and the heatmaps at most once in this many seconds (drawing one takes
-            about 80 ms of the training thread's time).
+            about 130 ms of the training thread's time).
         depth_histograms: also write the depth profiles as histograms.
     """
 
@@ -252,6 +282,8 @@ class TensorBoardSink:
             summary = Summary()
             add = summary.value.add  # in place: a Value object per scalar costs twice as much
             for tag, value in record.scalars.items():
+                add(tag=tag, simple_value=value)
+            for tag, value in _companions(record.scalars).items():
                 add(tag=tag, simple_value=value)
             self.writer._get_file_writer().add_summary(summary, record.step)
         if record.profiles:
@@ -327,8 +359,9 @@ class TensorBoardSink:
             warnings.warn(f"normprobe: no depth heatmaps: {err}", UserWarning, stacklevel=3)
 
     def _draw_heatmaps(self) -> None:
-        from .plots import depth_heatmap
+        from .plots import depth_heatmap, off_cadence
 
+        run = os.path.basename(os.path.normpath(self.log_dir))
         for tag, columns in self._profiles.items():
             if tag in self._drawn or len(columns) < HEATMAP_MIN_COLUMNS:
                 continue
@@ -336,13 +369,19 @@ class TensorBoardSink:
             if parsed is None:
                 continue
             series = SERIES.get(parsed.series)
+            log = series is None or series.scale == "log"
+            steps = [s for s, _ in columns]
             image = depth_heatmap(
-                f"{parsed.series}, stack {parsed.subject}",
-                [s for s, _ in columns],
+                f"{run}: {parsed.series}, stack {parsed.subject}",
+                steps,
                 [v for _, v in columns],
-                log=series is None or series.scale == "log",
+                log=log,
+                label=LABELS.get(parsed.series, parsed.series),
+                shape=log,
+                marks=off_cadence(steps),
+                marks_label="extra steps logged after a spike",
             )
-            heatmap = tags.format("heatmap", f"{parsed.series}/{parsed.subject}")
+            heatmap = heatmap_tag(parsed.series, parsed.subject)
             self.writer.add_image(heatmap, image, self._last_step, dataformats="HWC")
             self._drawn.add(tag)
             self._drawn_at = time.monotonic()
@@ -352,14 +391,15 @@ class TensorBoardSink:
             series_name, stack, layer = key
             blocks = sorted(by_block)
             image = depth_heatmap(
-                f"{series_name}, stack {stack}, {layer} at step {self._last_step}",
+                f"{run}: {series_name}, stack {stack}, {layer} at step {self._last_step}",
                 blocks,
                 [by_block[b] for b in blocks],
                 log=True,
                 xlabel="block",
                 ylabel="head",
+                label=LABELS.get(series_name, series_name),
             )
-            heatmap = tags.format("heatmap", f"{series_name}/{stack}/{layer}")
+            heatmap = heatmap_tag(series_name, stack, layer)
             self.writer.add_image(heatmap, image, self._last_step, dataformats="HWC")
             self._drawn_heads.add(key)
             self._drawn_at = time.monotonic()
@@ -406,17 +446,71 @@ def _why_not(path: str, err: OSError) -> tuple[type[OSError], str]:
     return type(err), err.strerror or str(err)
 
 
+def heatmap_tag(series: str, stack: str, layer: str = "") -> str:
+    """The Images tab's tag of the heatmap of ``series`` over ``stack`` (per-head series: its
+    ``layer`` in the blocks): ``normprobe/heatmap/<rank>_<series>/<stack>[/<layer>]``, ranked by
+    `HEATMAP_ORDER` since TensorBoard sorts images by tag."""
+    rank = HEATMAP_ORDER.index(series) if series in HEATMAP_ORDER else len(HEATMAP_ORDER)
+    return tags.format("heatmap", f"{rank:02d}_{series}/{stack}" + (f"/{layer}" if layer else ""))
+
+
 def _layout(scalars: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
-    """The custom-scalars dashboard: the summary, then one chart per series and stack."""
-    prefix = f"{tags.PREFIX}/"
-    summary = {
-        title: ["Multiline", [f"^{re.escape(prefix + series)}/.*$"]] for title, series in SUMMARY
-    }
+    """The custom-scalars dashboard: the summary, then the charts of each series and stack."""
+    names = list(scalars)
+    summary: dict[str, list[Any]] = {}
+    for title, series in SUMMARY:
+        if series in LOG2:
+            summary[f"log2 {title} (0: even)"] = _chart(_summary_prefix(f"{series}_log2") + ".*")
+        elif series in STACK_MAX:
+            summary[f"{title} (each stack's largest)"] = _chart(_summary_prefix(series) + ".*")
+        elif len(found := [t for t in names if t.startswith(tags.prefix(series))]) > 1:
+            for tag in found:  # a chart per tag: NaN/Inf in outputs, in gradients
+                subject = tag.removeprefix(tags.prefix(series))
+                summary[f"{title}: {subject}"] = _chart(re.escape(tag))
+        else:
+            summary[title] = _chart(re.escape(tags.prefix(series)) + ".*")
     summary["loss"] = ["Multiline", [LOSS_REGEX]]
     categories: dict[str, dict[str, list[Any]]] = {f"{tags.PREFIX} summary": summary}
-    for category, title, regex in charts(scalars):
+    for category, title, regex in charts(names):
         categories.setdefault(category, {})[title] = ["Multiline", [regex]]
     return categories
+
+
+def _chart(regex: str) -> list[Any]:
+    """A multi-line chart of the tags that ``regex`` matches whole."""
+    return ["Multiline", [f"^{regex}$"]]
+
+
+def _summary_prefix(name: str) -> str:
+    return re.escape(tags.prefix("summary", name))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _companion(tag: str) -> tuple[str, str] | None:
+    """The summary tag ``tag``'s value goes to, and how: ``log2`` or ``max`` (over a stack)."""
+    t = tags.parse(tag)
+    if t is None:
+        return None
+    if t.series in LOG2 and t.block is None:
+        return tags.format("summary", f"{t.series}_log2/{t.subject}"), "log2"
+    if t.series in STACK_MAX:
+        return tags.format("summary", f"{t.series}/{t.subject}"), "max"
+    return None
+
+
+def _companions(scalars: dict[str, float]) -> dict[str, float]:
+    """The summary's own tags: log2 of the `LOG2` ratios, each stack's largest `STACK_MAX`."""
+    out: dict[str, float] = {}
+    for tag, value in scalars.items():
+        found = _companion(tag)
+        if found is None:
+            continue
+        name, how = found
+        if how == "log2":
+            out[name] = math.log2(value) if value > 0 and math.isfinite(value) else math.nan
+        elif not value <= out.get(name, -math.inf):  # NaN and Inf win: they are the news
+            out[name] = value
+    return out
 
 
 def _profile_summary(profiles: dict[str, list[float]]) -> Summary:
@@ -483,21 +577,25 @@ def _depth_histogram(writer: Any, tag: str, values: list[float], step: int) -> N
 
 
 def charts(scalars: Iterable[str]) -> list[Chart]:
-    """The custom-scalars charts of a record's tags: one multi-line chart per series and stack
-    (per position within the stack's blocks for modules), in the families' order."""
+    """The custom-scalars charts of a record's tags, in the families' order: one per stack-wide
+    or module tag, and per series and stack (and position within the blocks, for modules) one
+    for each of `CHART_BLOCKS` blocks spread over the depth. Each chart holds one tag, a line
+    per run: TensorBoard colours lines by run and shows no legend but the runs' list."""
     found: dict[tuple[str, str], str] = {}
+    per_block: dict[tuple[str, str, str | None], dict[int, str]] = {}
     for tag in scalars:
         t = tags.parse(tag)
-        if t is None:
+        if t is None or t.series == "summary":
             continue
-        stack = tags.format(t.series, t.subject)
-        if t.block is not None and t.layer is None:  # .../<stack>/<block>
-            found[(t.series, t.subject)] = "^" + re.escape(stack) + r"/[^/]+$"
-        elif t.block is not None:  # .../<stack>/<block>.<layer>
-            layer = re.escape(t.layer or "")
-            found[(t.series, f"{t.subject} {t.layer}")] = f"^{re.escape(stack)}/\\d+\\.{layer}$"
-        else:
+        if t.block is None:
             found[(t.series, t.subject)] = "^" + re.escape(tag) + "$"
+        else:
+            per_block.setdefault((t.series, t.subject, t.layer), {})[t.block] = tag
+    for (series, _, _), by_block in per_block.items():
+        blocks = sorted(by_block)
+        for k in spread(len(blocks), CHART_BLOCKS):
+            tag = by_block[blocks[k]]
+            found[(series, tag.split("/", 2)[2])] = "^" + re.escape(tag) + "$"
     order = {name: i for i, name in enumerate(SERIES)}
     ranked = sorted(found.items(), key=lambda item: order.get(item[0][0], len(order)))
     return [(f"{tags.PREFIX} {series}", title, regex) for (series, title), regex in ranked]

@@ -20,6 +20,7 @@ import normprobe
 from normprobe import tags
 from normprobe.metrics.attn_logits_head import TAU
 from normprobe.models import TinyTransformer
+from normprobe.sinks import heatmap_tag
 
 TOKENS = 12
 
@@ -184,7 +185,7 @@ def test_tags_argmax_head_and_muonclip_factors(tmp_path: Path) -> None:
     profile = events.profiles[probe.tag("attn_logits_head", "blocks.1.attn")]
     assert profile[0][1] == pytest.approx(heads)
     # the depth view: heads x blocks of the stack's attention
-    assert tags.format("heatmap", "attn_logits_head/blocks/attn") in events.images
+    assert heatmap_tag("attn_logits_head", "blocks", "attn") in events.images
 
 
 def test_muonclip_factors_need_the_family_and_a_logged_step(tmp_path: Path) -> None:

@@ -227,6 +227,7 @@ def test_schedule_event_files_layout_and_depth_view(tmp_path: Path) -> None:
         "norm_gain_mean", "norm_gain_std", "grad_norm", "grad_ratio", "update_ratio", "logits",
         "attn_logit_max", "nonfinite", "weight_rms", "outlier_ratio", "outlier_channel",
         "outlier_kurtosis", "attn_head_max", "attn_head_argmax", "attn_heads_over_tau",
+        "summary",  # the sink's log2 ratios and each stack's largest logit, for the dashboard
     }  # fmt: skip
     # depth view: one histogram per metric and stack, one bucket per block
     steps, buckets = zip(*events.profiles[tags.format("resid_rms", "blocks")], strict=True)
@@ -236,8 +237,9 @@ def test_schedule_event_files_layout_and_depth_view(tmp_path: Path) -> None:
         (category.title, chart.title) for category in events.layouts[0].category
         for chart in category.chart
     }  # fmt: skip
-    assert ("normprobe resid_rms", "blocks") in titles
-    assert ("normprobe norm_out_rms", "blocks ln_1") in titles
+    # a chart per block (3 blocks: all of them), a line per run in each
+    assert {("normprobe resid_rms", f"blocks/{b}") for b in range(3)} <= titles
+    assert ("normprobe norm_out_rms", "blocks/2.ln_1") in titles
 
 
 def test_every_block_gets_a_tag_up_to_the_cap(tmp_path: Path) -> None:

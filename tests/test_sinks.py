@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
 from tensorboard.summary.writer import record_writer
 
 from normprobe import tags
-from normprobe.sinks import Record, TensorBoardSink, masked_crc32c
+from normprobe.sinks import Record, TensorBoardSink, charts, heatmap_tag, masked_crc32c
 
 
 def test_masked_crc32c_is_tensorboards_own() -> None:
@@ -53,7 +55,7 @@ def test_heatmaps_are_redrawn_at_a_bounded_cadence(
     for record in _profile_records(6):
         sink.write(record)
     sink.close()
-    images = read_events(str(tmp_path)).images[tags.format("heatmap", "grad_norm/blocks")]
+    images = read_events(str(tmp_path)).images[heatmap_tag("grad_norm", "blocks")]
     # from 4 logged steps on, at every record but at most once an hour; and at the close
     # unless nothing changed since the last drawing
     assert images == drawn
@@ -117,3 +119,30 @@ def test_flags_text_lists_problems_then_notes(tmp_path: Path) -> None:
     problems = [f for f in rep.flags if f.severity == "problem"]
     assert problems and text.startswith(f"**Problems ({len(problems)}), worth stopping for:**")
     assert text.index("[representation collapse]") < text.index("**Notes (")
+
+
+def test_summary_tags_log2_ratios_and_each_stacks_largest_logit(tmp_path: Path) -> None:
+    sink = TensorBoardSink(log_dir=str(tmp_path), heatmap_every=0)
+    logits = {tags.format("attn_logit_max", "blocks", b, "attn"): v for b, v in enumerate([3, 7])}
+    ratios = [(100.0, 0.5), (0.0, math.inf)]
+    for step, (grad, growth) in enumerate(ratios):
+        scalars = {tags.format("grad_ratio", "blocks"): grad}
+        scalars[tags.format("resid_growth", "blocks")] = growth
+        sink.write(Record(step, scalars={**scalars, **logits}))
+    sink.close()
+    scalars = read_events(str(tmp_path)).scalars
+    log2 = scalars[tags.format("summary", "grad_ratio_log2/blocks")]
+    assert log2[0] == (0, pytest.approx(math.log2(100))) and math.isnan(log2[1][1])
+    growth = scalars[tags.format("summary", "resid_growth_log2/blocks")]
+    assert growth[0] == (0, -1.0) and math.isnan(growth[1][1])  # no log of 0 or inf
+    assert scalars[tags.format("summary", "attn_logit_max/blocks")] == [(0, 7.0), (1, 7.0)]
+
+
+def test_custom_scalars_chart_a_few_blocks_each_one_tag() -> None:
+    names = [tags.format("resid_rms", "blocks", b, depth=10) for b in range(10)]
+    names += [tags.format("grad_ratio", "blocks"), tags.format("summary", "grad_ratio_log2/x")]
+    found = charts(names)
+    # spread over the depth, first and last included; the summary's own tags chart nowhere
+    titles = [title for _, title, _ in found]
+    assert titles == ["blocks/0", "blocks/3", "blocks/6", "blocks/9", "blocks"]
+    assert found[1][2] == "^" + re.escape(tags.format("resid_rms", "blocks", 3, depth=10)) + "$"

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from chromium import Page
 from conftest import get_json
 from PIL import Image
 
 import normprobe
 from normprobe import tags
 from normprobe.models import TinyTransformer
+from normprobe.sinks import heatmap_tag
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed")
@@ -63,7 +65,10 @@ def _colour_pixels(image: Image.Image) -> int:
     return count
 
 
-def _run(logs: Path) -> None:
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One short run, trained once for every test here: ``<logs>/demo``."""
+    logs = tmp_path_factory.mktemp("runs")
     model = TinyTransformer(depth=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with normprobe.attach(model, opt, log_dir=str(logs / "demo"), every=2):
@@ -72,11 +77,12 @@ def _run(logs: Path) -> None:
             model.loss(x, x).backward()
             opt.step()
             opt.zero_grad()
+    return logs
 
 
-def test_custom_scalars_and_depth_view_render(serve: Callable[[Path], str], tmp_path: Path) -> None:
-    logs = tmp_path / "runs"
-    _run(logs)
+def test_custom_scalars_and_depth_view_render(
+    serve: Callable[[Path], str], tmp_path: Path, logs: Path
+) -> None:
     url = serve(logs)
     deadline = time.monotonic() + 60
     while "demo" not in get_json(f"{url}/data/plugin/scalars/tags"):
@@ -94,10 +100,8 @@ def test_custom_scalars_and_depth_view_render(serve: Callable[[Path], str], tmp_
 
 
 def test_dashboard_url_opens_time_series_on_the_summary(
-    serve: Callable[[Path], str], tmp_path: Path
+    serve: Callable[[Path], str], tmp_path: Path, logs: Path
 ) -> None:
-    logs = tmp_path / "runs"
-    _run(logs)
     url = serve(logs)
     deadline = time.monotonic() + 60
     while "demo" not in get_json(f"{url}/data/plugin/scalars/tags"):
@@ -124,3 +128,50 @@ def test_dashboard_url_opens_time_series_on_the_summary(
     assert shown[1:3] == summary, shown[:8]
     assert shown[3].startswith(tags.prefix("attn_logit_max", "blocks"))
     assert shown[4] == tags.format("nonfinite", "modules")
+
+
+# TensorBoard's own order of the Images tab (its dashboard's categories, as it pages them), and
+# the cards it rendered, in the page's order; the dashboard lives in nested shadow roots
+IMAGES_ORDER = """
+new Promise((resolve) => {
+  const deep = (root, name, found) => {
+    for (const el of root.querySelectorAll("*")) {
+      if (el.tagName === name) found.push(el);
+      if (el.shadowRoot) deep(el.shadowRoot, name, found);
+    }
+    return found;
+  };
+  const poll = (left) => {
+    const [dash] = deep(document, "TF-IMAGE-DASHBOARD", []);
+    const groups = ((dash && dash._categories) || []).filter((c) => c.metadata.type === 1);
+    const order = groups.flatMap((c) => c.items.map((i) => i.tag));
+    const shown = deep(document, "TF-IMAGE-LOADER", []).map((el) => el.tag);
+    if ((order.length && shown.length) || left <= 0) resolve({order, shown});
+    else setTimeout(() => poll(left - 1), 500);
+  };
+  poll(120);
+})
+"""
+
+
+def test_images_tab_shows_the_gradient_heatmap_first_and_per_head_last(
+    serve: Callable[[Path], str], tmp_path: Path, logs: Path
+) -> None:
+    url = serve(logs)
+    deadline = time.monotonic() + 60
+    while "demo" not in get_json(f"{url}/data/plugin/images/tags"):
+        assert time.monotonic() < deadline, "TensorBoard never loaded the images"
+        time.sleep(0.5)
+    written = set(get_json(f"{url}/data/plugin/images/tags")["demo"])
+    page = Page(f"{url}/#images", tmp_path / "profile")
+    try:
+        seen = page.evaluate(IMAGES_ORDER)
+    finally:
+        page.close()
+    order, shown = seen["order"], seen["shown"]
+    assert set(order) == written, order
+    grad, resid = heatmap_tag("grad_norm", "blocks"), heatmap_tag("resid_rms", "blocks")
+    heads = heatmap_tag("attn_logits_head", "blocks", "attn")
+    per_block = [t for t in order if t != heads]
+    assert order[0] == grad and order[-1] == heads and resid in per_block, order
+    assert shown and shown == order[: len(shown)]  # the first page, in that order

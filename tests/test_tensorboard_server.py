@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import get_json
 
 import normprobe
 from normprobe import tags
 from normprobe.models import TinyTransformer
+from normprobe.sinks import heatmap_tag
 
 
 def test_server_lists_tags_layout_and_depth_heatmaps(
@@ -41,12 +45,24 @@ def test_server_lists_tags_layout_and_depth_heatmaps(
     categories = {c["title"]: c["chart"] for c in layout["category"]}
     # the run's health first
     assert layout["category"][0]["title"] == "normprobe summary"
-    summary = {c["title"] for c in layout["category"][0]["chart"]}
-    assert {"gradient ratio, last / first block", "loss"} <= summary
-    chart = categories["normprobe resid_rms"][0]
-    assert chart["title"] == "blocks"
-    assert chart["multiline"]["tag"] == [f"^{tags.prefix('resid_rms', 'blocks')}[^/]+$"]
+    summary = {c["title"]: c["multiline"]["tag"] for c in layout["category"][0]["chart"]}
+    log2 = summary["log2 gradient ratio, last / first block (0: even)"]
+    assert log2 == [f"^{re.escape(tags.prefix('summary', 'grad_ratio_log2'))}.*$"]
+    nonfinite = [t for t in summary if t.startswith("modules with NaN/Inf outputs")]
+    assert sorted(nonfinite) == [  # one tag a chart: lines of one run share its colour
+        "modules with NaN/Inf outputs: backward_modules",
+        "modules with NaN/Inf outputs: modules",
+    ]
+    # the log2 companion: 0.5 and 100 read on one axis as -1 and 6.6
+    companion = tags.format("summary", "grad_ratio_log2/blocks")
+    twin = get_json(f"{url}/data/plugin/scalars/scalars?run=pre_ln&tag={companion}")
+    assert [p[2] for p in twin] == pytest.approx([math.log2(p[2]) for p in series], abs=1e-5)
+    # one chart per block (all 3 of them), each holding one tag: a line per run
+    charts = {c["title"]: c["multiline"]["tag"] for c in categories["normprobe resid_rms"]}
+    assert charts == {
+        f"blocks/{b}": [f"^{re.escape(tags.format('resid_rms', 'blocks', b))}$"] for b in range(3)
+    }
     # the depth view: a heatmap per series and stack in the Images tab, no histograms
     images = get_json(f"{url}/data/plugin/images/tags")["pre_ln"]
-    assert tags.format("heatmap", "resid_rms/blocks") in images
+    assert heatmap_tag("resid_rms", "blocks") in images
     assert "pre_ln" not in get_json(f"{url}/data/plugin/histograms/tags")
