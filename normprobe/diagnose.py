@@ -60,9 +60,9 @@ RESID_SLOPE_MAX = resid_rms.SLOPE_LIMIT
 RESID_MIN_DEPTH = resid_rms.MIN_DEPTH
 ATTN_LOGIT_MAX = attn_logits.SOFT_CAP
 
-# BatchNorm's batch statistics come from m samples with a variance ∝ 1/m; the seeds (§2.3, §6.4)
-# name batches of 2-4 per device as where BN degrades badly and GroupNorm takes over. 8 keeps a
-# margin above that.
+# BatchNorm's batch statistics come from m samples with a variance ∝ 1/m; batches of 2-4 per
+# device are where BN degrades badly and GroupNorm takes over (Wu & He 2018, "Group
+# Normalization"). 8 keeps a margin above that.
 BN_MIN_BATCH = 8
 
 # Low-precision norms: relative RMS error of a norm run in float16/bfloat16 against the same
@@ -76,15 +76,17 @@ LOWP_FP16_SCALE = 1024.0
 LOWP_BF16_OFFSET = 64.0
 
 # Linear→ReLU init: per layer E[y²]/E[x²] is 1 with Kaiming and 0.5 with Xavier or 1/fan_in
-# (seeds check [e]: 1.000 and 0.499). Flag outside [0.7, 1/0.7], around the geometric midpoint
-# of 0.5 and 1, when at least 3 such layers follow each other (0.5³: 1/8 of the signal left).
+# (sanity check [e], examples/check_e_kaiming.py: 1.000 and 0.499). Flag outside [0.7, 1/0.7],
+# around the geometric midpoint of 0.5 and 1, when at least 3 such layers follow each other
+# (0.5³: 1/8 of the signal left).
 RELU_RATIO_MIN = 0.7
 RELU_CHAIN_MIN = 3
 
-# GPT-2 residual scaling: layers writing into the stream get std/sqrt(2N) (seeds §8.4). From 6
-# blocks on (12 writes) an unscaled stream's std grows by sqrt(1 + 12) = 3.6x (check [f]: the
-# variance grows linearly with the writes). Flag a write/other std ratio above (2N)^(-1/4): the
-# geometric midpoint of 1 (unscaled) and (2N)^(-1/2) (GPT-2).
+# GPT-2 residual scaling: layers writing into the stream get std/sqrt(2N) (Radford et al. 2019;
+# nanoGPT's `c_proj` init). From 6 blocks on (12 writes) an unscaled stream's std grows by
+# sqrt(1 + 12) = 3.6x (sanity check [f]: the variance grows linearly with the writes). Flag a
+# write/other std ratio above (2N)^(-1/4): the geometric midpoint of 1 (unscaled) and
+# (2N)^(-1/2) (GPT-2).
 GPT2_MIN_DEPTH = 6
 
 CHECKS: dict[str, str] = {
@@ -228,8 +230,8 @@ def default_loss(output: Any) -> torch.Tensor:
 
     ``output.loss`` (or ``output["loss"]``) when the model computed one; otherwise the mean of
     squares, in float32, of the logits: ``output.logits``/``output["logits"]`` (Hugging Face),
-    the output itself, or the first floating-point tensor in it. The seeds' gradient checks use
-    the same ``out.pow(2).mean()``.
+    the output itself, or the first floating-point tensor in it. Sanity check [d]
+    (``examples/check_d_grad_ratio.py``) uses the same ``out.pow(2).mean()``.
 
     Example::
 
@@ -649,7 +651,8 @@ def _check_post_ln(ctx: _Context) -> CheckResult:
     if not stacks:
         return [], "no Post-LN stack"
     if ctx.model_map.head is None and not ctx.own_loss:
-        # the seeds' confound: mean(out²) of a freshly normalized output is about constant
+        # mean(out²) of a freshly normalized output is about constant (why check [d]'s stack
+        # ends in a linear head)
         return [], "no output head: pass loss_fn, the default loss flattens Post-LN gradients"
     found = []
     for s in stacks:
@@ -662,8 +665,8 @@ def _check_post_ln(ctx: _Context) -> CheckResult:
                 f"Post-LN gradients pile up at the top of `{s.path or '<root>'}`",
                 (
                     f"gradient norm of block {s.depth - 1} / block 0 = {ratio:.2f} over {s.depth} "
-                    f"{s.placement} blocks (threshold {POSTLN_GRAD_RATIO_MAX}; the seeds' 48-block "
-                    "Post-LN stack: 2.35, after DeepNorm init: 1.02)",
+                    f"{s.placement} blocks (threshold {POSTLN_GRAD_RATIO_MAX}; a 48-block Post-LN "
+                    "ResidualStack: 2.35, after DeepNorm init: 1.02)",
                 ),
                 "train with a learning-rate warmup, or re-initialize for DeepNorm: "
                 "normprobe.reinit(model, 'deepnorm', example_inputs=...); or move to Pre-LN.",
@@ -674,9 +677,9 @@ def _check_post_ln(ctx: _Context) -> CheckResult:
 
 
 def _check_post_ln_warmup(ctx: _Context) -> CheckResult:
-    """A Post-LN stack trained from a standard init needs a learning-rate warmup (the lecture;
-    Xiong et al. 2020); DeepNorm's init (its fixed branch scales) removes that need, unless the
-    gradients are top-heavy all the same (then post-ln-top-heavy flags the stack too)."""
+    """A Post-LN stack trained from a standard init needs a learning-rate warmup (Xiong et
+    al. 2020); DeepNorm's init (its fixed branch scales) removes that need, unless the gradients
+    are top-heavy all the same (then post-ln-top-heavy flags the stack too)."""
     stacks = ctx.add_stacks(("post-ln",))
     if not stacks:
         return [], "no Post-LN stack"

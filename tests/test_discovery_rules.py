@@ -51,7 +51,7 @@ class Net(nn.Module):
         return self.blocks(x)
 
 
-def test_seed_stacks_are_two_parallel_stacks_with_root_adds() -> None:
+def test_residual_stack_lists_are_two_parallel_stacks_with_root_adds() -> None:
     # ResidualStack keeps 48 LayerNorms and 48 Linears in two ModuleLists and adds in the root's
     # loop: both lists are stacks, and each of the 48 adds writes through lins.i.
     for pre_ln, role, placement in ((True, "pre", "pre-ln"), (False, "post", "post-ln")):

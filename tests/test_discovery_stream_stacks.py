@@ -304,7 +304,7 @@ def test_lists_zipped_by_the_parent_make_one_stack_of_their_pairs() -> None:
 
 
 def test_lists_of_called_blocks_zipped_by_the_parent_stay_a_stack_each() -> None:
-    # each list's blocks run chained along the stream: two stacks of N, as the seed's lns/lins
+    # each list's blocks run chained along the stream: two stacks of N, as ResidualStack's lns/lins
     torch.manual_seed(0)
     model, x = ParallelLists(), _tokens()
     m = _discover(model, x)

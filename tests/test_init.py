@@ -207,7 +207,7 @@ def test_gpt2_sets_gemma_gains_to_zero_because_gemma_scales_by_one_plus_weight()
 
 
 def test_kaiming_keeps_the_second_moment_after_relu_and_xavier_halves_it() -> None:
-    # seed check [e]: E[x^2] = 1 into Linear(512, 512) + ReLU. Kaiming (std sqrt(2/512)) gives
+    # sanity check [e]: E[x^2] = 1 into Linear(512, 512) + ReLU. Kaiming (std sqrt(2/512)) gives
     # E[y^2] = 1/2 * 512 * 2/512 = 1; Xavier gain 1 (std sqrt(2/1024)) gives 1/2.
     layer = nn.Sequential(nn.Linear(512, 512), nn.ReLU())
     x = torch.randn(4096, 512)
@@ -410,8 +410,8 @@ def _grad_ratio(stack: ResidualStack, x: torch.Tensor) -> float:
 
 
 def test_deepnorm_moves_the_post_ln_gradient_ratio_toward_one() -> None:
-    # the seed's 48-block Post-LN stack: last/first block gradient norm 2.35 (top-heavy)
-    z = zoo.build("seed_postln")
+    # check [d]'s 48-block Post-LN stack: last/first block gradient norm 2.35 (top-heavy)
+    z = zoo.build("stack_postln")
     stack = z.model
     assert isinstance(stack, ResidualStack)
     (x,) = z.args
@@ -496,7 +496,7 @@ def test_layerscale_is_per_channel_with_cait_depth_rule() -> None:
     assert len(scales) == 8
     assert all(s.scale.shape == (64,) and torch.all(s.scale == 1e-5) for s in scales.values())
     assert [cait_init(d) for d in (12, 18, 24, 36)] == [0.1, 0.1, 1e-5, 1e-6]
-    deep = zoo.build("seed_preln")  # 48 blocks -> 1e-6
+    deep = zoo.build("stack_preln")  # 48 blocks -> 1e-6
     insert_branch_scale(deep.model, "layerscale", init="cait", example_inputs=deep.args)
     assert all(torch.all(s.scale == 1e-6) for s in branch_scales(deep.model).values())
 
@@ -584,7 +584,7 @@ def test_scheme_names_ignore_case_and_separators() -> None:
 def test_out_of_range_options_name_the_value(
     scheme: str, options: dict[str, Any], match: str
 ) -> None:
-    z = zoo.build("seed_postln")
+    z = zoo.build("stack_postln")
     with pytest.raises(ValueError, match=match):
         reinit(z.model, scheme, example_inputs=z.args, **options)
 

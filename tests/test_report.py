@@ -78,10 +78,10 @@ def lm_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return healthy_lm(tmp_path_factory.mktemp("lm") / "run")
 
 
-def tutorial_stack(
+def check_d_stack(
     log_dir: Path, pre_ln: bool, input_scale: float = 1.0, deepnorm: bool = False
 ) -> Path:
-    """The tutorial's 48-block stack and batch as in its check [d] (same seed as test_runtime's,
+    """The 48-block stack and batch of sanity check [d] (same seed as test_runtime's,
     where grad_ratio/lins reads 0.40 for Pre-LN and 2.35 for Post-LN), logged at 3 steps of an
     optimizer with learning rate 0: the same values each step, a condition held over steps."""
     torch.manual_seed(0)
@@ -102,13 +102,13 @@ def tutorial_stack(
 def stacks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, rp.RunReport]:
     root = tmp_path_factory.mktemp("stacks")
     return {
-        "pre": rp.report(tutorial_stack(root / "pre", pre_ln=True)),
-        "post": rp.report(tutorial_stack(root / "post", pre_ln=False)),
-        "deepnorm": rp.report(tutorial_stack(root / "deepnorm", pre_ln=False, deepnorm=True)),
+        "pre": rp.report(check_d_stack(root / "pre", pre_ln=True)),
+        "post": rp.report(check_d_stack(root / "post", pre_ln=False)),
+        "deepnorm": rp.report(check_d_stack(root / "deepnorm", pre_ln=False, deepnorm=True)),
         # a small input: the first blocks' norms divide by a small RMS, the deep ones by ~4
-        "pre_small_input": rp.report(tutorial_stack(root / "small", True, input_scale=0.1)),
+        "pre_small_input": rp.report(check_d_stack(root / "small", True, input_scale=0.1)),
         # a large input: the blocks' writes are lost in it (representation collapse)
-        "pre_large_input": rp.report(tutorial_stack(root / "large", True, input_scale=100.0)),
+        "pre_large_input": rp.report(check_d_stack(root / "large", True, input_scale=100.0)),
     }
 
 
@@ -182,8 +182,8 @@ def test_trend_words() -> None:
 
 
 # --- flags -------------------------------------------------------------------------------------
-def test_gradient_skew_flags_follow_the_tutorial(stacks: dict[str, rp.RunReport]) -> None:
-    # the tutorial's numbers, read back through the event files
+def test_gradient_skew_flags_follow_check_d(stacks: dict[str, rp.RunReport]) -> None:
+    # check [d]'s numbers, read back through the event files
     assert round(stacks["post"].row("lins", "grad_ratio").last, 2) == 2.35
     assert round(stacks["pre"].row("lins", "grad_ratio").last, 2) == 0.40
     top = [f for f in stacks["post"].flags if f.stack == "lins"]
@@ -379,9 +379,9 @@ def test_lightning_layout_and_several_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     logs = tmp_path / "lightning_logs"
-    tutorial_stack(logs / "version_0", pre_ln=True)
+    check_d_stack(logs / "version_0", pre_ln=True)
     assert rp.report(logs).run_dir == str(logs / "version_0")  # the only run below it
-    tutorial_stack(logs / "version_1", pre_ln=False)
+    check_d_stack(logs / "version_1", pre_ln=False)
     assert rp.find_runs(logs) == [logs / "version_0", logs / "version_1"]
     with pytest.raises(ValueError, match=r"holds 2 runs.*version_0.*version_1"):
         rp.report(logs)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_report import healthy_lm, lm_loss, square_loss, tokens, train, tutorial_stack
+from test_report import check_d_stack, healthy_lm, lm_loss, square_loss, tokens, train
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
@@ -44,10 +44,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "lm_pre": lm_run(root / "lm_pre", "pre"),
             "lm_post": lm_run(root / "lm_post", "post"),
             "healthy": healthy_lm(root / "healthy"),  # logged every 2 steps: 0, 2, 4, 6, 8
-            "stack_pre": tutorial_stack(root / "stacks" / "pre", pre_ln=True),
-            "stack_post": tutorial_stack(root / "stacks" / "post", pre_ln=False),
+            "stack_pre": check_d_stack(root / "stacks" / "pre", pre_ln=True),
+            "stack_post": check_d_stack(root / "stacks" / "post", pre_ln=False),
             # an input 100x the blocks' writes: representation collapse, a problem
-            "collapse": tutorial_stack(root / "collapse", pre_ln=True, input_scale=100.0),
+            "collapse": check_d_stack(root / "collapse", pre_ln=True, input_scale=100.0),
         }
 
 

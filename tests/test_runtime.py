@@ -28,8 +28,8 @@ from normprobe import tags
 from normprobe.models import ResidualStack, TinyTransformer
 
 
-def seed_grad_ratio(pre_ln: bool, tmp_path: Path) -> float:
-    """The tutorial's check [d] through the probe: one forward/backward of the 48-block stack."""
+def stack_grad_ratio(pre_ln: bool, tmp_path: Path) -> float:
+    """Sanity check [d] through the probe: one forward/backward of the 48-block stack."""
     torch.manual_seed(0)
     stack = ResidualStack(48, 64, pre_ln=pre_ln)
     with normprobe.attach(stack, log_dir=str(tmp_path), metrics=["grad_norm"]) as probe:
@@ -39,10 +39,10 @@ def seed_grad_ratio(pre_ln: bool, tmp_path: Path) -> float:
     return probe.latest.scalars[tags.format("grad_ratio", "lins")]
 
 
-def test_grad_ratio_reproduces_the_tutorial(tmp_path: Path) -> None:
-    # Reported there: Pre-LN 0.40 (bottom-heavy), Post-LN 2.35 (top-heavy).
-    assert round(seed_grad_ratio(True, tmp_path / "pre"), 2) == 0.40
-    assert round(seed_grad_ratio(False, tmp_path / "post"), 2) == 2.35
+def test_grad_ratio_reproduces_check_d(tmp_path: Path) -> None:
+    # As examples/check_d_grad_ratio.py: Pre-LN 0.40 (bottom-heavy), Post-LN 2.35 (top-heavy).
+    assert round(stack_grad_ratio(True, tmp_path / "pre"), 2) == 0.40
+    assert round(stack_grad_ratio(False, tmp_path / "post"), 2) == 2.35
 
 
 class OrthogonalWrites(nn.Module):
@@ -190,7 +190,7 @@ def test_eager_attention_logits_skip_the_mask(tmp_path: Path) -> None:
 
 
 def test_batchnorm_drift_and_train_eval_gap(tmp_path: Path) -> None:
-    # The tutorial's check [c]: running statistics lag the batch, so train != eval.
+    # Sanity check [c]: running statistics lag the batch, so train != eval.
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(32, 8) * 4 + 3

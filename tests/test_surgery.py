@@ -70,7 +70,7 @@ def _classify(model: nn.Module, x: torch.Tensor) -> Callable[[], torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------------
-# seed [b]: LayerNorm and RMSNorm agree on zero-mean rows, and only LayerNorm ignores a shift
+# check [b]: LayerNorm and RMSNorm agree on zero-mean rows, and only LayerNorm ignores a shift
 
 
 def test_layernorm_to_rmsnorm_agrees_on_zero_mean_rows_and_not_after_a_shift() -> None:

@@ -49,8 +49,8 @@ _CHANNELS_LAST = (
     "gemma2",
     "gemma3",
     "vit",
-    "seed_preln",
-    "seed_postln",
+    "stack_preln",
+    "stack_postln",
     "deepnet",
     "control_flow",
     "custom_rmsnorm",
@@ -70,7 +70,7 @@ REFUSALS: dict[tuple[str, str], tuple[type[Exception], str]] = {
     **{
         (m, "deepnorm"): (ValueError, NOT_POST_LN)
         for m in zoo.NAMES
-        if m not in ("bert", "seed_postln", "deepnet")
+        if m not in ("bert", "stack_postln", "deepnet")
     },
 }
 

@@ -13,7 +13,7 @@ Conventions used in ``Expected``:
 * ``stacks`` lists every stack discovery finds, as ``path -> (blocks, placement)``.
 * ``adds_per_stack`` gives the residual adds assigned to each listed stack (the innermost stack
   containing the add's ``branch_out`` layer); a listed stack holding no add's ``branch_out``
-  (ConvNeXt's outer ``stages``, the seed's ``lns``) has 0.
+  (ConvNeXt's outer ``stages``, ResidualStack's ``lns``) has 0.
 * ``branch_out`` keys are ``"<module path>#<ordinal>"``; the root module's path is ``""`` so its
   adds read ``"#0"``, ``"#1"``, ...
 * ``attention`` counts modules that compute softmax(QK^T) in their own forward (directly or via a
@@ -775,7 +775,7 @@ def build_convnext_atto() -> tuple[nn.Module, tuple[object, ...], dict[str, obje
 #   `lins` (48 Linears) are both stacks of 48. The adds belong to `lins`, the innermost stack
 #   containing their branch_out; `lns` gets 0. Both pre-ln (lns from its norms' roles).
 # - Attention: none. Head: `self.head` (the final Linear producing the output).
-def build_seed_preln() -> tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]:
+def build_stack_preln() -> tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]:
     model = ResidualStack(48, 64, pre_ln=True)
     exp = Expected(
         norms={"layernorm": 48},
@@ -795,7 +795,7 @@ def build_seed_preln() -> tuple[nn.Module, tuple[object, ...], dict[str, object]
 #   is the add's output while its output is the new stream -> post (48). lns.47 is still a block
 #   of the `lns` stack (not outside it), so it is post, not final.
 # - Stacks `lns` and `lins` of 48, both post-ln; adds belong to `lins`.
-def build_seed_postln() -> tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]:
+def build_stack_postln() -> tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]:
     model = ResidualStack(48, 64, pre_ln=False)
     exp = Expected(
         norms={"layernorm": 48},
@@ -984,8 +984,8 @@ _BUILDERS: dict[str, _Builder] = {
     "resnet18": build_resnet18,
     "vit": build_vit,
     "convnext_atto": build_convnext_atto,
-    "seed_preln": build_seed_preln,
-    "seed_postln": build_seed_postln,
+    "stack_preln": build_stack_preln,
+    "stack_postln": build_stack_postln,
     "deepnet": build_deepnet,
     "no_norm": build_no_norm,
     "control_flow": build_control_flow,

@@ -22,15 +22,15 @@ from .base import (
 )
 from .params import BlockParams
 
-# grad_ratio (last / first block), the tutorial's check [d]: Post-LN reads 2.35 at init
-# (top-heavy, the reason it needs warmup) and DeepNorm 1.02, so 2.0 is a note. A problem when it
-# stays past 10 to the end: in benchmarks/calibration.py a Post-LN stack 4x make demo's depth
+# grad_ratio (last / first block), sanity check [d]: Post-LN reads 2.35 at init (top-heavy, the
+# reason it needs warmup: Xiong et al. 2020) and DeepNorm 1.02, so 2.0 is a note. A problem when
+# it stays past 10 to the end: in benchmarks/calibration.py a Post-LN stack 4x make demo's depth
 # without warmup ends at 100-600 (16 blocks, 60 steps) or 3e11 (24 blocks, 300 steps: its first
 # block's gradient vanishes), while healthy runs end at 0.14-0.93 (DeepNorm twice as deep
 # passes 3.5-14 for a few steps early on, then falls back).
 TOP_LIMIT = 2.0
 TOP_PROBLEM = 10.0
-# Pre-LN reads 0.40 at init in the tutorial (each block's scale shrinks evenly with depth), and
+# Pre-LN reads 0.40 at init in check [d] (each block's scale shrinks evenly with depth), and
 # its healthy runs in the calibration set end at 0.14-0.93: bottom-heavy gradients past 4x are
 # a note, never a problem.
 BOTTOM_LIMIT = 0.25
@@ -101,7 +101,7 @@ def _skew(stack: str, points: list[tuple[int, float]], where: str | None) -> Fla
         ratio = statistics.median(v for _, v in hits)
         when = f"(median of the {len(hits)} logged steps at which it is past {limit:g})"
         if kind == "top":
-            like = ", as in Post-LN (2.35 in the tutorial)" if where == "post-ln" else ""
+            like = ", as in Post-LN (2.35 over 48 blocks at init)" if where == "post-ln" else ""
             problem = len(sustained(points, lambda v: v >= TOP_PROBLEM)) >= SUSTAIN
             return Flag(
                 "top-heavy gradients",
@@ -115,7 +115,9 @@ def _skew(stack: str, points: list[tuple[int, float]], where: str | None) -> Fla
                 PROBLEM if problem else NOTE,
             )
         like = (
-            " (the direction of Pre-LN's skew, 2.5x in the tutorial)" if where == "pre-ln" else ""
+            " (the direction of Pre-LN's skew, 2.5x over 48 blocks at init)"
+            if where == "pre-ln"
+            else ""
         )
         return Flag(
             "bottom-heavy gradients",

@@ -30,7 +30,8 @@ from .streams import Streams, rowwise
 # DeepNorm ones, which renormalize the stream every block and start near 1 whenever their
 # branches start small (0.9999 at init, 0.997-0.999 after 60 steps in the calibration set).
 COLLAPSE_COS = 0.999
-# The lecture measures collapse over depth; below 4 blocks there is no deep half to speak of.
+# Collapse is a matter of depth (Xie et al. 2023, ResiDual); below 4 blocks there is no deep half
+# to speak of.
 COLLAPSE_MIN_DEPTH = 4
 
 

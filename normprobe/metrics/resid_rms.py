@@ -10,13 +10,14 @@ from .base import NOTE, PROBLEM, SUSTAIN, Family, Flag, Out, Plan, Run, Series, 
 from .streams import Streams, stream_rms
 
 # Residual growth needs both a shape and a size. Shape: log RMS against log depth rising with a
-# slope of at least 0.3; Pre-LN's sqrt(l) growth (seed tutorial §5.3) is 0.5, and the tutorial's
-# 48-block Pre-LN stack reads 0.37 at init (its input already has RMS 1, which flattens the
-# start). Size: the last block's RMS at least 3x the first one's, so that a deep block's write
-# weighs a third of the first block's; that stack reads 3.5, a 4-block Pre-LN model under 2.
+# slope of at least 0.3; Pre-LN's sqrt(l) growth (each block adds an O(1) write to the stream's
+# variance; Xiong et al. 2020) is 0.5, and the 48-block Pre-LN `ResidualStack` of sanity check
+# [d] reads 0.37 at init (its input already has RMS 1, which flattens the start). Size: the last
+# block's RMS at least 3x the first one's, so that a deep block's write weighs a third of the
+# first block's; that stack reads 3.5, a 4-block Pre-LN model under 2.
 SLOPE_LIMIT = 0.3
 GROWTH_MIN = 3.0
-# Any shape: an unscaled stream of 50 layers grows its std x10 (variance x101, the tutorial's
+# Any shape: an unscaled stream of 50 layers grows its std x10 (variance x101, sanity
 # check [f]); a stack growing that much is flagged whatever its slope. Residual growth is a
 # note: Pre-LN's stream grows with depth by design (a 16-block TinyTransformer, Pre-LN, passes
 # 10 within 60 AdamW steps and trains as well as its Post-LN twin; the calibration set's healthy
