@@ -30,6 +30,12 @@ from .streams import Streams, rowwise
 # DeepNorm ones, which renormalize the stream every block and start near 1 whenever their
 # branches start small (0.9999 at init, 0.997-0.999 after 60 steps in the calibration set).
 COLLAPSE_COS = 0.999
+# A stack still leaving collapse is a note too: its turn (1 - cosine) at the end at least RECEDING
+# times the turn at the middle logged step. timm's ConvNeXt-atto, whose branches start behind
+# layer scales of 1e-6, stays past 0.999 in a healthy run while its turn grows 1.5-3x over the
+# second half (benchmarks/calibration_unseen.py); the collapsing run of the calibration set
+# holds its turn at 1.0x.
+RECEDING = 1.25
 # Collapse is a matter of depth (Xie et al. 2023, ResiDual); below 4 blocks there is no deep half
 # to speak of.
 COLLAPSE_MIN_DEPTH = 4
@@ -89,11 +95,8 @@ class ResidCos(Family):
             step, mean = hits[-1]
             blocks = sorted(t.parsed.block or 0 for t in deep)
             where = placement(run, stack)
-            why = (
-                " (typical of Pre-LN, whose stream outgrows each block's write)"
-                if where == "pre-ln"
-                else ""
-            )
+            growth = (1 - mean) / max(1 - means[len(means) // 2][1], 1e-12)
+            receding = growth >= RECEDING
             found.append(
                 Flag(
                     "representation collapse",
@@ -104,11 +107,24 @@ class ResidCos(Family):
                     f"consecutive blocks' streams have cosine {mean:.5f} > {COLLAPSE_COS} on "
                     f"average over blocks {blocks[0]}..{blocks[-1]} (the deep half) at "
                     f"{len(hits)} logged steps: those blocks barely change the "
-                    f"representation{why}; scale the residual branches "
-                    "(normprobe.insert_branch_scale(model, 'layerscale')), use sandwich norms "
-                    "(normprobe.convert_norms with a policy), or a Post-LN stack with "
-                    "normprobe.reinit(model, 'deepnorm')",
-                    NOTE if where in ("post-ln", "deepnorm") else PROBLEM,
+                    f"representation{_advice(where, growth)}",
+                    NOTE if receding or where in ("post-ln", "deepnorm") else PROBLEM,
                 )
             )
         return found
+
+
+def _advice(where: str | None, growth: float) -> str:
+    """Why the stream may be collapsed, and the way out; ``growth``: the turn's, since mid-run."""
+    if growth >= RECEDING:
+        return (
+            f" yet, but their turn (1 - cosine) is {growth:.3g}x what it was mid-run: branches "
+            "that start small (layer scales) are growing; watch that it keeps growing"
+        )
+    why = " (typical of Pre-LN, whose stream outgrows each block's write)"
+    return (
+        f"{why if where == 'pre-ln' else ''}; scale the residual branches "
+        "(normprobe.insert_branch_scale(model, 'layerscale')), use sandwich norms "
+        "(normprobe.convert_norms with a policy), or a Post-LN stack with "
+        "normprobe.reinit(model, 'deepnorm')"
+    )
