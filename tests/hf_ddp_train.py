@@ -68,6 +68,10 @@ def main() -> None:
     rank = trainer.args.process_index
     witness.seen["world"] = trainer.args.world_size
     (out / f"rank{rank}.json").write_text(json.dumps(witness.seen))
+    # a clean shutdown: leaving gloo's process group to the interpreter's exit aborts a rank now
+    # and then ("terminate called without an active exception"), after it wrote its file
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
