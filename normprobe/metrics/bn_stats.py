@@ -6,6 +6,7 @@ import itertools
 import math
 import operator
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -82,7 +83,7 @@ class BnStats(Family):
         plan.on_record(record)
 
     def flags(self, run: Run) -> list[Flag]:
-        over: dict[str, list[tuple[float, int, float, float, str, bool, bool]]] = {}
+        over: dict[str, list[_Hit]] = {}
         for t in run.tags:
             series = t.parsed.series
             if series.removeprefix("val_") not in STATS:
@@ -92,54 +93,62 @@ class BnStats(Family):
             last = past[-1] if past else None
             # a validation pass is one step; a training series must stay past its limit
             if last is not None and (series.startswith("val_") or len(past) >= SUSTAIN):
-                text = f"{series} {last[1]:.3g} > {limit:.3g} at {t.module}"
-                entry = (
+                hit = _Hit(
                     last[1] / limit,
                     last[0],
                     last[1],
                     limit,
-                    text,
+                    f"{series} {last[1]:.3g} > {limit:.3g} at {t.module}",
                     not series.startswith("val_"),
                     _converging(run.scalars[t.tag], past),
                 )
-                over.setdefault(t.stack, []).append(entry)
+                over.setdefault(t.stack, []).append(hit)
         found = []
         for stack in sorted(over):
-            if not any(h[5] for h in over[stack]):  # flagged by training steps, not by one pass
+            if not any(h.training for h in over[stack]):  # flagged by one pass, not by training
                 continue
             hits = sorted(over[stack], reverse=True)  # the worst first, by its ratio to its limit
-            _, step, value, limit, _, _, _ = hits[0]
-            listed = "; ".join(h[4] for h in hits[:4]) + ("; ..." if len(hits) > 4 else "")
-            if all(h[6] for h in hits if h[5]):
-                found.append(
-                    Flag(
-                        "batchnorm drift",
-                        stack,
-                        step,
-                        value,
-                        limit,
-                        f"{listed}, falling since the first logged step: the running "
-                        "statistics are still converging from their initial mean 0 and "
-                        "variance 1 (by the momentum each step); a problem if it stops falling",
-                        NOTE,
-                    )
+            listed = "; ".join(h.text for h in hits[:4]) + ("; ..." if len(hits) > 4 else "")
+            converging = all(h.converging for h in hits if h.training)
+            if converging:
+                why = (
+                    ", falling since the first logged step: the running statistics are still "
+                    "converging from their initial mean 0 and variance 1 (by the momentum each "
+                    "step); a problem if it stops falling"
                 )
-                continue
+            else:
+                why = (
+                    ": batches differ from the running statistics that eval mode uses; look for "
+                    "a shifting input distribution, raise the momentum, or for small or "
+                    "correlated batches use GroupNorm (normprobe.convert_norms(model, "
+                    "'groupnorm'))"
+                )
+            worst = hits[0]
+            severity = NOTE if converging else PROBLEM
             found.append(
                 Flag(
                     "batchnorm drift",
                     stack,
-                    step,
-                    value,
-                    limit,
-                    f"{listed}: batches differ from the running statistics that eval mode uses; "
-                    "look for a shifting input distribution, raise the momentum, or for small or "
-                    "correlated batches use GroupNorm (normprobe.convert_norms(model, "
-                    "'groupnorm'))",
-                    PROBLEM,
+                    worst.step,
+                    worst.value,
+                    worst.limit,
+                    listed + why,
+                    severity,
                 )
             )
         return found
+
+
+class _Hit(NamedTuple):
+    """A BatchNorm series past its limit at its last logged step."""
+
+    ratio: float  # value / limit: what orders the hits
+    step: int
+    value: float
+    limit: float
+    text: str
+    training: bool  # a training series (not one validation pass)
+    converging: bool  # `_converging`
 
 
 def _converging(points: list[tuple[int, float]], past: list[tuple[int, float]]) -> bool:
