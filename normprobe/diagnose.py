@@ -45,7 +45,7 @@ from . import common, diagnose_layers, probes, tags
 from .discovery import DiscoveryWarning, ModelMap
 from .discovery.state import preserved
 from .discovery.table import collapse_indices
-from .discovery.trace import iter_tensors, replace_at
+from .discovery.trace import first_float, iter_tensors, replace_at
 from .init import branch_scales, is_weight_layer, out_in_view
 from .metrics import attn_logits, grad_norm, resid_rms
 from .report import dumps, json_number
@@ -398,7 +398,7 @@ def _capturing(model: nn.Module, model_map: ModelMap, cap: _Capture) -> Iterator
         if isinstance(m, _BatchNorm):
 
             def bn_pre(mod: nn.Module, args: tuple[Any, ...], path: str = n.path) -> None:
-                x = next((t for _, t in iter_tensors(args) if t.is_floating_point()), None)
+                x = first_float(args)
                 if mod.training and x is not None and x.ndim >= 2:
                     cap.bn_batch.setdefault(path, int(x.shape[0]))
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .discovery import ModelMap
-from .discovery.trace import iter_tensors
+from .discovery.trace import first_float
 
 # A healthy model's gains stay near their peers' median: at init the peers draw their weights
 # from one distribution. The largest factor measured at init on TinyTransformer (Pre-LN, Post-LN,
@@ -77,10 +77,6 @@ def _rms(t: torch.Tensor) -> float:
     return float(t.detach().float().pow(2).mean().sqrt())
 
 
-def _first_float(value: Any) -> torch.Tensor | None:
-    return next((t for _, t in iter_tensors(value) if t.is_floating_point()), None)
-
-
 def _grad_hook(stats: LayerStats, name: str) -> Any:
     def hook(g: torch.Tensor) -> None:
         setattr(stats, name, _rms(g))
@@ -100,7 +96,7 @@ def capture_layers(model: nn.Module, paths: list[str], cap: LayerCapture) -> Ite
     for path in paths:
 
         def pre(mod: nn.Module, args: tuple[Any, ...], path: str = path) -> None:
-            x = _first_float(args)
+            x = first_float(args)
             if path in cap.stats or x is None:
                 return
             stats = cap.stats[path] = LayerStats(path, x_rms=_rms(x))
@@ -109,7 +105,7 @@ def capture_layers(model: nn.Module, paths: list[str], cap: LayerCapture) -> Ite
                 cap.handles.append(hook)
 
         def post(mod: nn.Module, args: tuple[Any, ...], out: Any, path: str = path) -> None:
-            stats, y = cap.stats.get(path), _first_float(out)
+            stats, y = cap.stats.get(path), first_float(out)
             if stats is None or y is None or not math.isnan(stats.y_rms):
                 return
             stats.y_rms = _rms(y)
