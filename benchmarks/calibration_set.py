@@ -89,15 +89,14 @@ def _chars(size: Size, batch: int | None = None) -> tuple[int, Callable[[], Batc
     return corpus.vocab_size, lambda: corpus.batch(batch or size.batch)
 
 
-def _images(size: Size, batch: int | None = None) -> Callable[[], Batch]:
-    """Ten classes, each a fixed random picture, seen through noise."""
-    g = torch.Generator().manual_seed(0)
-    side = size.image
+def images(side: int, batch: int, noise: float = 0.5, seed: int = 0) -> Callable[[], Batch]:
+    """Ten classes, each a fixed random picture, seen through noise of std ``noise``."""
+    g = torch.Generator().manual_seed(seed)
     templates = torch.randn(10, 3, side, side, generator=g)
 
     def draw() -> Batch:
-        y = torch.randint(0, 10, (batch or size.batch,), generator=g)
-        return templates[y] + 0.5 * torch.randn(len(y), 3, side, side, generator=g), y
+        y = torch.randint(0, 10, (batch,), generator=g)
+        return templates[y] + noise * torch.randn(batch, 3, side, side, generator=g), y
 
     return draw
 
@@ -192,7 +191,7 @@ def _vit(size: Size) -> Training:
         num_heads=HEADS,
         num_classes=10,
     )
-    return Training(model, _images(size), lr=1e-3)
+    return Training(model, images(size.image, size.batch), lr=1e-3)
 
 
 def _resnet(batch: int | None = None) -> Callable[[Size], Training]:
@@ -200,7 +199,7 @@ def _resnet(batch: int | None = None) -> Callable[[Size], Training]:
         from torchvision.models.resnet import BasicBlock, ResNet
 
         model = ResNet(BasicBlock, [2, 2, 2, 2] if size is FULL else [1, 1, 1, 1], num_classes=10)
-        return Training(model, _images(size, batch), lr=1e-3)
+        return Training(model, images(size.image, batch or size.batch), lr=1e-3)
 
     return build
 

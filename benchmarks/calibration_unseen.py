@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from calibration_set import images
 from torch import nn
 
 import normprobe
@@ -139,20 +140,8 @@ def _qwen2() -> Setup:
     return Setup(model, loss, _adamw(model, 1e-3), warmup=30, clip=1.0)
 
 
-def _images(batch: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-    """Ten classes, each a fixed random picture, seen through noise."""
-    g = torch.Generator().manual_seed(1)
-    templates = torch.randn(10, 3, IMAGE, IMAGE, generator=g)
-
-    def draw() -> tuple[torch.Tensor, torch.Tensor]:
-        y = torch.randint(0, 10, (batch,), generator=g)
-        return templates[y] + torch.randn(batch, 3, IMAGE, IMAGE, generator=g), y
-
-    return draw
-
-
 def _classifier(model: nn.Module, batch: int) -> Callable[[], torch.Tensor]:
-    draw = _images(batch)
+    draw = images(IMAGE, batch, noise=1.0, seed=1)
 
     def loss() -> torch.Tensor:
         x, y = draw()
