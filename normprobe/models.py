@@ -2,7 +2,8 @@
 
 `ResidualStack` is the deep stack of sanity check [d] (``examples/check_d_grad_ratio.py``):
 identical residual blocks of one LayerNorm and one Linear, kept in two parallel ModuleLists, with
-a final linear head. `TinyTransformer` is a GPT-style causal language model whose norm placement
+a final linear head. `MLPStack` is a Pre-LN stack of feed-forward blocks, the model the overhead
+targets are set on. `TinyTransformer` is a GPT-style causal language model whose norm placement
 (Pre-LN, Post-LN, sandwich) and QK-norm are options.
 """
 
@@ -65,6 +66,33 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
+
+
+class MLPBlock(nn.Module):
+    """``x + mlp(ln(x))``: a Pre-LN feed-forward block."""
+
+    def __init__(self, width: int, hidden_mult: int = 4) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.mlp = MLP(width, hidden_mult)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.ln(x))
+
+
+class MLPStack(nn.Module):
+    """``depth`` Pre-LN feed-forward blocks (`MLPBlock`), a final LayerNorm and a linear head."""
+
+    def __init__(self, depth: int = 12, width: int = 256, hidden_mult: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock(width, hidden_mult) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
 
 
 Placement = Literal["pre", "post", "sandwich"]

@@ -255,23 +255,34 @@ class ByShape:
         return groups + strided_samples(alone, [strides[i] for i in self.alone])
 
     @torch.no_grad()
+    def copy_squares(self, copies: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Per tensor, in float32, the sum of squares of what `copies` holds of it (of the
+        strided sample, for a tensor alone with a stride above 1)."""
+        device = copies[0].device
+        squares = torch.zeros(self.count, device=device)
+        positions = self._positions_on(device)
+        for before, where in zip(copies[: len(self.groups)], positions, strict=False):
+            squares.index_copy_(0, where, _row_squares(before).to(device))
+        if self.alone:
+            alone = squared_norms(list(copies[len(self.groups) :]))
+            squares.index_copy_(0, positions[-1], alone.to(device, torch.float32))
+        return squares
+
+    @torch.no_grad()
     def change_squares(
         self,
         tensors: Sequence[torch.Tensor],
         strides: Sequence[int],
         copies: Sequence[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per tensor, in float32: the sum of squares of its change since `copies` was taken,
-        and of its old value (of the strided sample, for a tensor alone with a stride above 1:
-        times its stride, that estimates the whole tensor's)."""
+    ) -> torch.Tensor:
+        """Per tensor, in float32, the sum of squares of its change since `copies` was taken
+        (of the strided sample, for a tensor alone with a stride above 1)."""
         device = copies[0].device
         change = torch.zeros(self.count, device=device)
-        old = torch.zeros(self.count, device=device)
         positions = self._positions_on(device)
         for group, before, where in zip(self.groups, copies, positions, strict=False):
             now = torch.stack([tensors[i] for i in group])
             change.index_copy_(0, where, _row_squares(now.sub_(before)).to(device))
-            old.index_copy_(0, where, _row_squares(before).to(device))
         if self.alone:
             before_alone = list(copies[len(self.groups) :])
             views = strided_views(
@@ -279,8 +290,7 @@ class ByShape:
             )
             moved = squared_norms(torch._foreach_sub(views, before_alone))
             change.index_copy_(0, positions[-1], moved.to(device, torch.float32))
-            old.index_copy_(0, positions[-1], squared_norms(before_alone).to(device, torch.float32))
-        return change, old
+        return change
 
     def _positions_on(self, device: torch.device) -> list[torch.Tensor]:
         """Each group's positions as an index tensor on ``device``, then the others' (made
