@@ -209,7 +209,7 @@ class TensorBoardSink:
       ``heatmap_every`` records, and starts only when no drawing is under way and the budget
       allows: the first waits ``heatmap_seconds`` from the first record, and each next one
       both ``heatmap_seconds`` and ``c / heatmap_cpu`` after the last finished, where ``c`` is
-      the CPU time it took (about 0.1 s an image: ten images, 1 s, then 100 s at 1%), so that
+      the CPU time it took (about 0.15 s an image: ten images, 1.5 s, then 150 s at 1%), so that
       drawing takes at most ``heatmap_cpu`` of the wall time. A run shorter than
       ``heatmap_seconds`` gets its heatmaps when the sink closes: `close` waits for a drawing
       under way and draws (on its own thread) those with columns added since.
