@@ -13,6 +13,7 @@ user's matplotlib backend alone. Without matplotlib they raise an ImportError th
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -355,9 +356,17 @@ def depth_heatmap(
         else:
             ax.tick_params(labelbottom=False)
     canvas.draw()  # type: ignore[no-untyped-call]
-    rgb = np.asarray(canvas.buffer_rgba())[..., :3].copy()  # type: ignore[no-untyped-call]
-    fig.clear()
-    return rgb
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()  # type: ignore[no-untyped-call]
+
+
+def png(rgb: np.ndarray) -> bytes:
+    """An RGB ``uint8`` image (``(H, W, 3)``) encoded as PNG, by Pillow (a matplotlib
+    dependency), as TensorBoard's own image summaries are."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(rgb).save(out, format="PNG")
+    return out.getvalue()
 
 
 def heatmap_size(panels: int) -> tuple[int, int]:

@@ -12,11 +12,13 @@ import functools
 import math
 import os
 import re
+import threading
 import time
 import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -197,22 +199,31 @@ class TensorBoardSink:
       non-finite outputs; the loss), then per series and stack a chart per block for
       `CHART_BLOCKS` blocks spread over the depth: one tag, a line per run, each.
     * Images: per stack and per-block series, a depth heatmap (block against step, titled with
-      the run: the log dir's name; log-scale series with a second, shape panel), rewritten
-      every ``heatmap_every`` records but at most once a minute (``heatmap_seconds``), and
-      when the sink closes: one image per series and stack each time (about 30 KB), from
-      `HEATMAP_MIN_COLUMNS` logged steps on, at most `HEATMAP_COLUMNS` columns, under
-      `heatmap_tag` (gradient norms first). Per-head series (``attn_logits_head``) get, at the
-      same cadence, one heads x blocks image per stack and position in the block (``attn``) of
-      the latest logged step.
+      the run: the log dir's name; log-scale series with a second, shape panel): one image per
+      series and stack each time it is drawn (about 30 KB), from `HEATMAP_MIN_COLUMNS` logged
+      steps on, at most `HEATMAP_COLUMNS` columns, under `heatmap_tag` (gradient norms first).
+      Per-head series (``attn_logits_head``) get one heads x blocks image per stack and
+      position in the block (``attn``) of the latest logged step.
+    * Heatmaps are drawn on a background thread from a copy of their columns, and written by
+      the next `write`: training does not wait for them. Drawing is considered every
+      ``heatmap_every`` records, and starts only when no drawing is under way and the budget
+      allows: the first waits ``heatmap_seconds`` from the first record, and each next one
+      both ``heatmap_seconds`` and ``c / heatmap_cpu`` after the last finished, where ``c`` is
+      the CPU time it took (about 0.15 s an image: ten images, 1.5 s, then 150 s at 1%), so that
+      drawing takes at most ``heatmap_cpu`` of the wall time. A run shorter than
+      ``heatmap_seconds`` gets its heatmaps when the sink closes: `close` waits for a drawing
+      under way and draws (on its own thread) those with columns added since.
     * Text: ``normprobe/flags/run``, what `normprobe report` would flag so far, problems then
-      notes under bold headings, rewritten when it changes at the same cadence.
+      notes under bold headings, judged every ``heatmap_every`` records and at `close`, and
+      rewritten when it changes.
     * The depth profiles themselves are stored for `report` in summaries TensorBoard does not
       display; ``depth_histograms=True`` also writes them as histograms whose buckets are the
       blocks (the Histograms tab's view, whose shared scale hides most of the story).
 
     Writing never waits for the disk: the writer's own thread flushes the file (every
     ``flush_secs`` for a writer made here), `flush` and `close` force it, and so does the
-    interpreter's exit, also after an uncaught exception. Heatmaps need matplotlib
+    interpreter's exit, also after an uncaught exception (which neither waits for a drawing
+    under way nor writes it). Heatmaps need matplotlib
     (``normprobe[plot]``); without it they are skipped with one warning.
 
     Args:
@@ -222,9 +233,11 @@ class TensorBoardSink:
         flush_secs: how often a writer made here flushes in the background.
         layout: write the custom-scalars layout with the first record (False: the directory
             holds it already, as when a run resumes).
-        heatmap_every: rewrite the flags, and the heatmaps, every this many records (0: never).
-        heatmap_seconds: and the heatmaps at most once in this many seconds (drawing one takes
-            about 130 ms of the training thread's time).
+        heatmap_every: judge the flags, and consider drawing the heatmaps, every this many
+            records (0: neither, not even at `close`).
+        heatmap_seconds: the heatmaps wait this long from the first record, and between two
+            drawings.
+        heatmap_cpu: the share of the wall time drawing may take, in (0, 1].
         depth_histograms: also write the depth profiles as histograms.
     """
 
@@ -237,8 +250,14 @@ class TensorBoardSink:
         layout: bool = True,
         heatmap_every: int = 10,
         heatmap_seconds: float = 60.0,
+        heatmap_cpu: float = 0.01,
         depth_histograms: bool = False,
     ) -> None:
+        if not 0 < heatmap_cpu <= 1:
+            raise ValueError(
+                f"heatmap_cpu={heatmap_cpu!r} is not a fraction of the wall time in (0, 1]: pass "
+                "0.01 (the default) for drawing in 1% of it, or heatmap_every=0 for no heatmaps"
+            )
         _use_fast_checksums()
         if writer is None:
             from torch.utils.tensorboard import SummaryWriter
@@ -252,7 +271,10 @@ class TensorBoardSink:
         self.layout_written = not layout
         self.heatmap_every = heatmap_every
         self.heatmap_seconds = heatmap_seconds
-        self._drawn_at = -math.inf  # when the heatmaps were last drawn (time.monotonic)
+        self.heatmap_cpu = heatmap_cpu
+        self._next_render = math.inf  # when the heatmaps may be drawn next (time.monotonic)
+        self._pending: Future[Rendered] | None = None  # the drawing in the background
+        self._pending_step = 0  # the step it draws
         self.depth_histograms = depth_histograms
         self._records = 0
         self._last_step = 0
@@ -274,6 +296,10 @@ class TensorBoardSink:
         return str(self.writer.log_dir)
 
     def write(self, record: Record) -> None:
+        if self._pending is not None:
+            self._collect()
+        if not self._records:  # the heatmaps' first drawing waits from the first record on
+            self._next_render = time.monotonic() + self.heatmap_seconds
         if not self.layout_written:
             self.layout_written = True
             self.writer.add_custom_scalars(_layout(record.scalars))
@@ -306,7 +332,8 @@ class TensorBoardSink:
         self._records += 1
         self._last_step = record.step
         if self.heatmap_every and self._records % self.heatmap_every == 0:
-            self._draw(images=time.monotonic() - self._drawn_at >= self.heatmap_seconds)
+            self._judge_flags()
+            self._start_render()
 
     def _keep_column(self, tag: str, step: int, values: list[float]) -> None:
         columns = self._profiles.setdefault(tag, [])
@@ -333,9 +360,8 @@ class TensorBoardSink:
                 self._first[tag] = (step, value)
             kept.append((step, value))
 
-    def _draw(self, images: bool = True) -> None:
-        """Rewrite the flags if they changed, and (with ``images``) the heatmaps that have new
-        columns."""
+    def _judge_flags(self) -> None:
+        """Rewrite the flags text if what `report` would flag changed."""
         from .metrics.run import flag_lines, run_flags
 
         scalars = {
@@ -350,18 +376,59 @@ class TensorBoardSink:
         if text != self._flags_text:
             self._flags_text = text
             self.writer.add_text(tags.format("flags", "run"), text, self._last_step)
-        if self._no_plots or not images:
+
+    def _start_render(self, now: bool = False) -> None:
+        """Draw the heatmaps with new columns on a background thread, if none is drawing and
+        the budget allows (``now``: on this thread, whatever the budget); `_collect` writes
+        them when done."""
+        if self._no_plots or self._pending is not None:
             return
+        if not now and time.monotonic() < self._next_render:
+            return
+        pictures = self._snapshot()
+        if not pictures:
+            return
+        pending: Future[Rendered] = Future()
+        pending.set_running_or_notify_cancel()
+
+        def run() -> None:
+            try:
+                pending.set_result(_render(pictures))
+            except BaseException as err:  # raised on the training thread by `_collect`
+                pending.set_exception(err)
+
+        self._pending, self._pending_step = pending, self._last_step
+        if now:
+            run()
+        else:  # a daemon: an interpreter on its way out does not wait for a picture
+            threading.Thread(target=run, name="normprobe-heatmaps", daemon=True).start()
+
+    def _collect(self, wait: bool = False) -> None:
+        """Write the heatmaps drawn in the background if they are done (``wait``: once they
+        are), and schedule the next drawing by their CPU time."""
+        pending = self._pending
+        if pending is None or not (wait or pending.done()):
+            return
+        self._pending = None
         try:
-            self._draw_heatmaps()
+            rendered = pending.result()
         except ImportError as err:
             self._no_plots = True
             warnings.warn(f"normprobe: no depth heatmaps: {err}", UserWarning, stacklevel=3)
+            return
+        self._write_images(rendered, self._pending_step)
+        wait_s = max(self.heatmap_seconds, rendered.cpu_seconds / self.heatmap_cpu)
+        self._next_render = rendered.finished + wait_s
 
-    def _draw_heatmaps(self) -> None:
-        from .plots import depth_heatmap, off_cadence
+    def _write_images(self, rendered: Rendered, step: int) -> None:
+        summary = Summary(value=[Summary.Value(tag=t, image=image) for t, image in rendered.images])
+        self.writer._get_file_writer().add_summary(summary, step)
 
+    def _snapshot(self) -> list[Picture]:
+        """The heatmaps with new columns since they were last drawn, with copies of their data
+        (the sink keeps appending to and thinning its own lists)."""
         run = os.path.basename(os.path.normpath(self.log_dir))
+        pictures = []
         for tag, columns in self._profiles.items():
             if tag in self._drawn or len(columns) < HEATMAP_MIN_COLUMNS:
                 continue
@@ -370,50 +437,109 @@ class TensorBoardSink:
                 continue
             series = SERIES.get(parsed.series)
             log = series is None or series.scale == "log"
-            steps = [s for s, _ in columns]
-            image = depth_heatmap(
-                f"{run}: {parsed.series}, stack {parsed.subject}",
-                steps,
-                [v for _, v in columns],
-                log=log,
-                label=LABELS.get(parsed.series, parsed.series),
-                shape=log,
-                marks=off_cadence(steps),
-                marks_label="extra steps logged after a spike",
+            pictures.append(
+                Picture(
+                    heatmap_tag(parsed.series, parsed.subject),
+                    f"{run}: {parsed.series}, stack {parsed.subject}",
+                    [s for s, _ in columns],
+                    [v for _, v in columns],  # each step's list is never changed once kept
+                    log=log,
+                    label=LABELS.get(parsed.series, parsed.series),
+                    shape=log,
+                    marks_label="extra steps logged after a spike",
+                )
             )
-            heatmap = heatmap_tag(parsed.series, parsed.subject)
-            self.writer.add_image(heatmap, image, self._last_step, dataformats="HWC")
             self._drawn.add(tag)
-            self._drawn_at = time.monotonic()
         for key, by_block in self._heads.items():
             if key in self._drawn_heads:
                 continue
             series_name, stack, layer = key
             blocks = sorted(by_block)
-            image = depth_heatmap(
-                f"{run}: {series_name}, stack {stack}, {layer} at step {self._last_step}",
-                blocks,
-                [by_block[b] for b in blocks],
-                log=True,
-                xlabel="block",
-                ylabel="head",
-                label=LABELS.get(series_name, series_name),
+            pictures.append(
+                Picture(
+                    heatmap_tag(series_name, stack, layer),
+                    f"{run}: {series_name}, stack {stack}, {layer} at step {self._last_step}",
+                    blocks,
+                    [by_block[b] for b in blocks],
+                    log=True,
+                    label=LABELS.get(series_name, series_name),
+                    xlabel="block",
+                    ylabel="head",
+                )
             )
-            heatmap = heatmap_tag(series_name, stack, layer)
-            self.writer.add_image(heatmap, image, self._last_step, dataformats="HWC")
             self._drawn_heads.add(key)
-            self._drawn_at = time.monotonic()
+        return pictures
 
     def flush(self) -> None:
+        self._collect()
         self.writer.flush()
 
     def close(self) -> None:
+        """Wait for the heatmaps being drawn, draw the ones with new columns since (here, on
+        the closing thread), write the flags, and flush (and close) the writer."""
         self._at_exit.detach()
+        self._collect(wait=True)
         if self._records and self.heatmap_every:
-            self._draw()
+            self._judge_flags()
+            self._start_render(now=True)
+            self._collect()
         self.writer.flush()
         if self.close_writer:
             self.writer.close()
+
+
+@dataclass(frozen=True)
+class Picture:
+    """One heatmap to draw: its tag, and `depth_heatmap`'s arguments (the x axis's marks are
+    found by the drawing thread: `off_cadence` for the steps of a ``marks_label``)."""
+
+    tag: str
+    title: str
+    steps: list[int]
+    values: list[list[float]]
+    log: bool
+    label: str
+    shape: bool = False
+    marks_label: str = ""
+    xlabel: str = "step"
+    ylabel: str = "block"
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """What the drawing thread hands back: (tag, PNG) pairs, the CPU seconds it took and when
+    it finished (`time.monotonic`)."""
+
+    images: list[tuple[str, Summary.Image]]
+    cpu_seconds: float
+    finished: float
+
+
+def _render(pictures: list[Picture]) -> Rendered:
+    """Draw ``pictures`` as PNG-encoded TensorBoard images, timing the thread's CPU."""
+    from .plots import depth_heatmap, off_cadence, png
+
+    start = time.thread_time()
+    images = []
+    for p in pictures:
+        rgb = depth_heatmap(
+            p.title,
+            p.steps,
+            p.values,
+            log=p.log,
+            xlabel=p.xlabel,
+            ylabel=p.ylabel,
+            label=p.label,
+            shape=p.shape,
+            marks=off_cadence(p.steps) if p.marks_label else (),
+            marks_label=p.marks_label,
+        )
+        height, width = rgb.shape[:2]
+        image = Summary.Image(
+            height=height, width=width, colorspace=3, encoded_image_string=png(rgb)
+        )
+        images.append((p.tag, image))
+    return Rendered(images, time.thread_time() - start, time.monotonic())
 
 
 def check_log_dir(

@@ -4,6 +4,7 @@ decades), and matplotlib as an optional dependency."""
 
 from __future__ import annotations
 
+import io
 import math
 import subprocess
 import sys
@@ -143,6 +144,14 @@ def test_heatmap_is_fast() -> None:
         plots.depth_heatmap("resid_rms", steps, values, log=log)
         took.append(time.perf_counter() - start)
     assert min(took) < 0.5, took  # about 0.08 s on two shared cores; 0.2 s is the budget
+
+
+def test_png_holds_the_image_pixel_for_pixel() -> None:
+    from PIL import Image
+
+    image = plots.depth_heatmap("x", [0, 1, 2], [[1.0, 2.0], [2.0, 4.0], [3.0, 9.0]], log=True)
+    decoded = np.asarray(Image.open(io.BytesIO(plots.png(image))))
+    assert decoded.shape == image.shape and (decoded == image).all()
 
 
 def test_panels_integer_block_ticks_and_log_scale_over_decades() -> None:

@@ -1,18 +1,26 @@
-"""The TensorBoard sink's checksums: TensorBoard's own, computed in C."""
+"""The TensorBoard sink: its checksums (TensorBoard's own, computed in C), its heatmaps (drawn
+on a background thread within a CPU budget), the flags text, the summary tags and the charts."""
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import random
 import re
+import subprocess
+import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from tb import read_events, read_texts
 from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
 from tensorboard.summary.writer import record_writer
 
-from normprobe import tags
+from normprobe import plots, sinks, tags
 from normprobe.sinks import Record, TensorBoardSink, charts, heatmap_tag, masked_crc32c
 
 
@@ -46,19 +54,139 @@ def _profile_records(n: int) -> list[Record]:
     return [Record(step, profiles={tag: [1.0 + step, 2.0, 3.0]}) for step in range(n)]
 
 
-@pytest.mark.parametrize(("seconds", "drawn"), [(3600.0, [3, 5]), (0.0, [3, 4, 5])])
-def test_heatmaps_are_redrawn_at_a_bounded_cadence(
-    tmp_path: Path, seconds: float, drawn: list[int]
-) -> None:
+def test_a_run_shorter_than_heatmap_seconds_gets_its_heatmaps_at_close(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    sink = TensorBoardSink(log_dir=str(tmp_path), heatmap_every=1, heatmap_seconds=seconds)
+    sink = TensorBoardSink(log_dir=str(tmp_path), heatmap_every=1)  # the first waits a minute
     for record in _profile_records(6):
         sink.write(record)
     sink.close()
-    images = read_events(str(tmp_path)).images[heatmap_tag("grad_norm", "blocks")]
-    # from 4 logged steps on, at every record but at most once an hour; and at the close
-    # unless nothing changed since the last drawing
-    assert images == drawn
+    assert read_events(str(tmp_path)).images[heatmap_tag("grad_norm", "blocks")] == [5]
+
+
+class Drawings:
+    """`plots.depth_heatmap` as it is, noting the thread of each call (``entered`` is set at
+    the first); with ``hold`` set, each call first waits until `release`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, hold: bool = False) -> None:
+        self.draw = plots.depth_heatmap
+        self.threads: list[threading.Thread] = []
+        self.entered, self.go = threading.Event(), threading.Event()
+        if not hold:
+            self.go.set()
+        monkeypatch.setattr(plots, "depth_heatmap", self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.threads.append(threading.current_thread())
+        self.entered.set()
+        assert self.go.wait(60)
+        return self.draw(*args, **kwargs)
+
+    def release(self) -> None:
+        self.go.set()
+
+
+def wait_drawn(sink: TensorBoardSink) -> None:
+    """Wait for the drawing under way (there is one) to finish; the next write writes it."""
+    assert sink._pending is not None
+    sink._pending.exception(timeout=60)
+
+
+def test_heatmaps_are_drawn_off_the_training_thread_one_drawing_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    drawings = Drawings(monkeypatch, hold=True)
+    # no wait and all the CPU: a drawing starts whenever none is under way
+    sink = TensorBoardSink(
+        log_dir=str(tmp_path), heatmap_every=1, heatmap_seconds=0.0, heatmap_cpu=1.0
+    )
+    records = _profile_records(8)
+    for record in records[:4]:
+        sink.write(record)
+    drawing = sink._pending
+    assert drawing is not None and drawings.entered.wait(60)
+    for record in records[4:6]:  # the drawing of step 3 waits: steps 4 and 5 start no other
+        sink.write(record)
+    assert sink._pending is drawing and len(drawings.threads) == 1
+    assert drawings.threads[0] is not threading.current_thread()
+    assert drawings.threads[0].name == "normprobe-heatmaps"
+    drawings.release()
+    wait_drawn(sink)
+    sink.write(records[6])  # writes the picture of step 3, drawn from the columns then
+    sink.flush()
+    tag = heatmap_tag("grad_norm", "blocks")
+    assert read_events(str(tmp_path)).images[tag] == [3]
+    sink.write(records[7])
+    sink.close()  # waits for a drawing under way, draws the columns added since
+    assert read_events(str(tmp_path)).images[tag][0] == 3
+    assert read_events(str(tmp_path)).images[tag][-1] == 7
+    assert drawings.threads[-1] is threading.current_thread()  # close draws on its own thread
+
+
+def test_the_next_drawing_waits_until_its_cpu_time_is_the_budgets_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    # each drawing takes 0.5 s of CPU by this clock: at 1%, the next waits 50 s after it
+    now = [0.0]
+    cpu = itertools.count(step=0.5)
+    fake = SimpleNamespace(monotonic=lambda: now[0], thread_time=lambda: next(cpu))
+    monkeypatch.setattr(sinks, "time", fake)
+    sink = TensorBoardSink(
+        log_dir=str(tmp_path), heatmap_every=1, heatmap_seconds=10.0, heatmap_cpu=0.01
+    )
+    clock = [0.0, 1.0, 2.0, 9.0, 10.0, 30.0, 59.9, 60.0, 61.0]
+    started = []
+    for step, t in enumerate(clock):
+        now[0] = t
+        sink.write(Record(step, profiles={tags.format("grad_norm", "blocks"): [1.0, 2.0]}))
+        if sink._pending is not None:  # this write started one (it wrote the last one)
+            started.append(t)
+            wait_drawn(sink)  # it finishes at once by the clock
+    # not before 10 s from the first record, nor before 0.5 s / 1% after the last finished
+    assert started == [10.0, 60.0]
+    sink.close()
+
+
+def test_a_drawing_under_way_does_not_keep_a_dying_process_or_its_events(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("matplotlib")
+    # the drawing never ends; an uncaught exception ends the process, which leaves at once,
+    # with every step written on disk
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH.format(log_dir=str(tmp_path / "logs")))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1 and "RuntimeError: training failed" in done.stderr, done.stderr
+    events = read_events(str(tmp_path / "logs"))
+    assert [s for s, _ in events.scalars[tags.format("x", "0")]] == list(range(6))
+    assert not events.images
+
+
+CRASH = """
+import threading
+from normprobe import plots, tags
+from normprobe.sinks import Record, TensorBoardSink
+
+stuck = threading.Event()
+plots.depth_heatmap = lambda *args, **kwargs: stuck.wait()
+sink = TensorBoardSink(log_dir={log_dir!r}, heatmap_every=1, heatmap_seconds=0.0)
+for step in range(6):
+    sink.write(
+        Record(step, scalars={{tags.format("x", "0"): 1.0}},
+               profiles={{tags.format("grad_norm", "blocks"): [1.0, 2.0]}})
+    )
+assert sink._pending is not None and not sink._pending.done()
+raise RuntimeError("training failed")
+"""
+
+
+def test_heatmap_cpu_is_a_share_of_the_wall_time(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"heatmap_cpu=0 is not a fraction of the wall time"):
+        TensorBoardSink(log_dir=str(tmp_path), heatmap_cpu=0)
 
 
 def _two_stacks() -> Record:
