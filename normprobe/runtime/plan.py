@@ -73,6 +73,7 @@ class ProbePlan:
         self.compiled = compiled
         self.measured = measured
         self.block_grad_squares: torch.Tensor | None = None
+        self.capture_until = -1  # the last step a family asked to log (`capture`)
         self.hooks = hooks
         self.layout = Layout()
         self.name_prefix = name_prefix
@@ -135,6 +136,13 @@ class ProbePlan:
             self._on("forward_start", gradients.start)
             self._on("clear", gradients.stop)
         gradients.actions.append(action)
+
+    def select_modules(self, indices: frozenset[int] | None) -> None:
+        if not self.compiled:
+            self.hooks.select(indices)
+
+    def capture(self, step: int) -> None:
+        self.capture_until = max(self.capture_until, step)
 
     def at_forward_start(self, fn: Callback) -> None:
         self._on("forward_start", fn)
