@@ -15,7 +15,7 @@ from test_nonfinite_backward import Net, loss
 from torch import nn
 
 import normprobe
-from normprobe import tags
+from normprobe import probes, tags
 from normprobe.metrics.nonfinite import BLOCK
 from normprobe.report import report
 
@@ -110,3 +110,36 @@ def test_a_model_without_stacks_reads_every_module(tmp_path: Path) -> None:
             model(x)
             probe.step()
     assert read_texts(str(tmp_path))[FIRST + "/text_summary"] == [(0, "b")]
+
+
+@pytest.mark.parametrize("order", [("nonfinite", "resid_rms"), ("resid_rms", "nonfinite")])
+def test_a_block_whose_stream_is_read_is_not_summed_again(
+    monkeypatch: pytest.MonkeyPatch, order: tuple[str, ...]
+) -> None:
+    sums = [0]
+    finite_sum = probes.finite_sum
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        sums[0] += 1
+        return finite_sum(x)
+
+    monkeypatch.setattr(probes, "finite_sum", counted)
+    x = torch.randn(8, 16)
+    counts = []
+    for metrics in (["nonfinite"], list(order)):
+        model = poisoned()
+        with normprobe.attach(
+            model, every=1, metrics=metrics, sinks=[normprobe.MemorySink()], example_inputs=(x,)
+        ) as probe:
+            sums[0] = 0
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                model(x)
+            counts.append(sums[0])
+            probe.step()
+        record = probe.latest
+        assert record is not None and record.texts[FIRST] == "blocks.2" + BLOCK
+        assert record.scalars[FORWARD] == 6
+    # inp, the 5 blocks, ln_f, head (the root returns head's output): the blocks' streams are
+    # read for resid_rms, and their row norms say as much
+    assert counts == [8, 3]

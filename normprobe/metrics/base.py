@@ -159,6 +159,9 @@ class Plan(Protocol):
     def shared(self, key: str, make: Callable[[], Any]) -> Any:
         """One object per probe under ``key``, made on first use: reads two families share."""
 
+    def made(self, key: str) -> Any:
+        """What `shared` made under ``key`` when the families were planned, or None."""
+
     def stacks(self) -> Sequence[Stack]:
         """The stacks whose blocks have weights of their own (not a block run N times)."""
 

@@ -2,7 +2,8 @@
 
 A NaN or Inf in a tensor makes its sum NaN or Inf, so one sum per tensor says whether it holds
 one. A logged step sums the output and gradients of every module outside the stacks' blocks and
-of each block as a whole (`Watched`), not of the modules inside blocks: where the first NaN/Inf
+of each block as a whole (`Watched`; a block's output that is the residual stream other families
+read, `Streams`, from its row norms), not of the modules inside blocks: where the first NaN/Inf
 is a block's, the step names the block, and the next step, logged for it (`Plan.capture`), reads
 that block's modules too and names the module, if the NaN/Inf is still there and still first.
 A block whose backward made a NaN/Inf is narrowed down on its own step as well, by which of its
@@ -21,6 +22,7 @@ import torch
 from .. import probes, tags
 from ..discovery.trace import iter_tensors
 from .base import MODEL, PROBLEM, Family, Flag, Out, Plan, Run, Series, Side, Values
+from .streams import Streams
 
 Ranks = dict[torch.device, torch.Tensor]  # 0, 1, 2, ... on each device, made once
 # what follows a block's path in the texts while its module is not known
@@ -94,9 +96,18 @@ class NonFinite(Family):
         slot = plan.slot(len(paths), "min")  # per module: its rank in execution order, or inf
         seen: set[int] = set()
         last: list[torch.Tensor] = []  # the output read last, and its sum
+        # the residual stream other families read last (`Streams`), and its row norms:
+        # non-finite where its sum is, or at an entry past 1e19, whose square overflows
+        stream: list[torch.Tensor] = []
         read_modules: list[int] = []  # in the order they ran (each module's first call)
         sums: list[torch.Tensor] = []  # the finite sum of each one's output
         warned = [False]
+        streams: list[Streams | None] = []  # looked for at the first logged forward
+
+        def streamed(stack: str, block: int, t: torch.Tensor) -> None:
+            reads = streams[0].reads[stack] if streams[0] is not None else []
+            if reads:
+                stream[:] = [t, reads[-1].norms]
 
         def read(index: int, out: Any) -> None:
             if index in seen:
@@ -108,6 +119,9 @@ class NonFinite(Family):
                 # once
                 if last and last[0] is out:
                     total = last[1]
+                elif stream and _same(stream[0], out):
+                    total = stream[1].sum()
+                    last[:] = [out, total]
                 else:
                     total = probes.finite_sum(out)
                     last[:] = [out, total]
@@ -130,10 +144,19 @@ class NonFinite(Family):
         def clear() -> None:
             seen.clear()
             last.clear()
+            stream.clear()
             read_modules.clear()
             sums.clear()
 
-        plan.at_forward_start(clear)
+        def start() -> None:
+            if not streams:  # the families are planned: a block's stream is read if they asked
+                # (not on compiled models: their graph would have to compare storages)
+                streams.append(None if plan.compiled else plan.made("streams"))
+                if streams[0] is not None:
+                    streams[0].watchers.append(streamed)
+            clear()
+
+        plan.at_forward_start(start)
         plan.at_flush(publish)
         plan.on_clear(clear)
 
@@ -272,6 +295,18 @@ def _by_parameter_gradients(plan: Plan, inner: Sequence[int]) -> str:
     after = next((held[k][0] for k in range(last + 1, len(held)) if finite[k]), None)
     return f"; parameter gradients not finite in {held[last][0]}" + (
         f", finite in {after}" if after else ""
+    )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (one of them detached from the other) hold the same values;
+    False for tensor subclasses (a DTensor's storage is its shards')."""
+    return (
+        type(a) is type(b) is torch.Tensor
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
     )
 
 

@@ -171,6 +171,9 @@ class ProbePlan:
             self._shared[key] = make()
         return self._shared[key]
 
+    def made(self, key: str) -> Any:
+        return self._shared.get(key)
+
     def stacks(self) -> Sequence[Stack]:
         # a repeated block (one module run N times) has one set of weights: no per-block value
         return [s for s in self.model_map.stacks if not s.repeated]
