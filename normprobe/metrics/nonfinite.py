@@ -46,8 +46,8 @@ class Watched:
                     inner = [index[id(m)] for m in module.modules() if m is not module]
                     if inner:
                         self.inside[index[id(module)]] = inner
-        self.block_of: dict[int, int] = {}  # a module inside blocks: the innermost
-        for block, inner in sorted(self.inside.items(), key=lambda item: -len(item[1])):
+        self.block_of: dict[int, int] = {}  # a module inside blocks: the outermost
+        for block, inner in sorted(self.inside.items(), key=lambda item: len(item[1])):
             self.block_of.update(dict.fromkeys(inner, block))
         self.base = frozenset(range(len(paths))).difference(self.block_of)
         self.suspects: dict[str, int] = {}  # "forward", "backward": the block read inside
@@ -60,11 +60,13 @@ class Watched:
         return inner is None or any(i in measured for i in inner)
 
     def suspect(self, side: str, first: int | None) -> None:
-        """From the next logged step on, read inside the block that is or holds module
-        ``first`` (``side``'s first NaN/Inf; None: none), and no longer inside the last one."""
+        """From the next logged step on, read inside the (outermost) block that holds or is
+        module ``first`` (``side``'s first NaN/Inf; None: none), no longer inside the last one."""
         if not self.inside:
             return
-        block = first if first is None or first in self.inside else self.block_of.get(first)
+        block = None if first is None else self.block_of.get(first)
+        if block is None and first in self.inside:
+            block = first
         if block is None:
             self.suspects.pop(side, None)
         else:
