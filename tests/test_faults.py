@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 
 import normprobe
 from normprobe import tags
+from normprobe.metrics import nonfinite
 from normprobe.models import TinyTransformer
 from normprobe.runtime import InertHook, attached_probe
 
@@ -196,8 +197,8 @@ def test_without_a_with_block_the_probe_stays_and_training_can_go_on(
 
 
 def test_a_retried_forward_is_measured_afresh(tmp_path: Path) -> None:
-    # The failed forward had already found block 0's outputs finite; after a NaN, the retry
-    # must find them again (and name block 0), not keep the failed forward's verdict.
+    # The failed forward had already found block 0's output finite; after a NaN, the retry
+    # must find it again (and name block 0), not keep the failed forward's verdict.
     model = make_model()
     opt = FailingAdamW(model.parameters())
     wire = Tripwire(model, "forward", 0)
@@ -208,12 +209,12 @@ def test_a_retried_forward_is_measured_afresh(tmp_path: Path) -> None:
     wire.handle.remove()
     with torch.no_grad():
         model.blocks[0].mlp.fc.weight[0, 0] = float("nan")
-    with pytest.warns(RuntimeWarning, match=r"output of blocks\.0\.mlp\.fc at step 0"):
+    with pytest.warns(RuntimeWarning, match=r"output of blocks\.0 \(block; module not"):
         model.loss(batch(0), batch(0)).backward()
         opt.step()
     probe.remove()
     assert read_texts(str(tmp_path))[tags.format("nonfinite", "first") + "/text_summary"] == [
-        (0, "blocks.0.mlp.fc")
+        (0, "blocks.0" + nonfinite.BLOCK)
     ]
 
 
@@ -234,17 +235,19 @@ def test_nan_mid_training_names_the_first_module(tmp_path: Path, reference: Even
             messages = [str(w.message) for w in warned if w.category is RuntimeWarning]
             if step == fault:
                 assert len(messages) == 1
-                assert "first appeared in the output of blocks.1.mlp.fc at step 4" in messages[0]
+                # the step names the block; the next one, logged for it, would name the module
+                assert "first appeared in the output of blocks.1 (block; " in messages[0]
             else:
                 assert not messages  # warned once, on the step it happened
     events = read_events(str(tmp_path))
     assert_logged_up_to(before(events, fault), reference, fault)
     counts = events.scalars[tags.format("nonfinite", "modules")]
-    assert [s for s, _ in counts] == [0, 2, 4, 6]
+    assert [s for s, _ in counts] == [0, 2, 4, 5, 6]
     assert [v for _, v in counts[:2]] == [0, 0] and all(v > 0 for _, v in counts[2:])
     first = read_texts(str(tmp_path))[tags.format("nonfinite", "first") + "/text_summary"]
-    # after AdamW stepped on NaN gradients every weight is NaN: the embedding comes first
-    assert first == [(4, "blocks.1.mlp.fc"), (6, "tok")]
+    # after AdamW stepped on NaN gradients every weight is NaN: on the step logged to name the
+    # module, the embedding comes first
+    assert first == [(4, "blocks.1" + nonfinite.BLOCK), (5, "tok"), (6, "tok")]
     assert hook_count(model) == 0 and no_probe_hooks_on(opt)
 
 

@@ -1,6 +1,7 @@
-"""`nonfinite` in backward: the module whose backward made a NaN/Inf from a finite gradient is
-named, on logged steps only, with one host transfer per logged step; healthy models with in-place
-activations train through it unchanged."""
+"""`nonfinite` in backward: the block whose backward made a NaN/Inf from a finite gradient is
+named on its step (narrowed down by its parameter gradients), the module on the next step, which
+is logged for it; on logged steps only, with one host transfer per healthy logged step; healthy
+models with in-place activations train through it unchanged."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ BACKWARD = tags.format("nonfinite", "backward_modules")
 FIRST_BACKWARD = tags.format("nonfinite", "first_backward")
 FORWARD = tags.format("nonfinite", "modules")
 FIRST = tags.format("nonfinite", "first")
+# step 0's text: block 2 (fc1's weight gradient is NaN, fc2's finite: act lies between them)
+BLOCK_2 = (
+    "blocks.2 (block; module not localized yet); parameter gradients not finite in "
+    "blocks.2.fc1, finite in blocks.2.fc2"
+)
 
 
 class SqrtAbs(nn.Module):
@@ -107,7 +113,7 @@ def test_names_the_module_whose_backward_made_the_nan_and_warns_once(tmp_path: P
     model = Net()
     with normprobe.attach(model, log_dir=str(tmp_path), every=1, metrics=["nonfinite"]) as probe:
         with pytest.warns(
-            RuntimeWarning, match=r"input gradient of blocks\.2\.act at step 0, from a finite"
+            RuntimeWarning, match=r"input gradient of blocks\.2 \(block; module not localized "
         ):
             loss(model, torch.randn(8, 16)).backward()
             probe.step()
@@ -120,11 +126,11 @@ def test_names_the_module_whose_backward_made_the_nan_and_warns_once(tmp_path: P
     assert record is not None and record.step == 1
     assert record.scalars[FORWARD] == 0  # the forward is finite
     assert record.texts == {FIRST_BACKWARD: "blocks.2.act"}
-    # input gradients: block 2's act, fc1, ln and the block (fc2 received act's finite one),
-    # then blocks 1 and 0 and their ln, fc1, act, fc2; inp and the root were called with x
-    assert record.scalars[BACKWARD] == 14
+    # input gradients of the modules read: block 2's act, fc1, ln and the block (fc2 received
+    # act's finite one), then blocks 1 and 0 as wholes; inp and the root were called with x
+    assert record.scalars[BACKWARD] == 6
     assert read_texts(str(tmp_path))[FIRST_BACKWARD + "/text_summary"] == [
-        (0, "blocks.2.act"),
+        (0, BLOCK_2),
         (1, "blocks.2.act"),
     ]
 
@@ -146,8 +152,8 @@ def test_a_gradient_non_finite_from_the_loss_names_no_module(tmp_path: Path) -> 
         (model(torch.randn(8, 16)) * torch.tensor([1.0, 1.0, 1.0, math.inf])).sum().backward()
         probe.step()
     assert probe.latest is not None and FIRST_BACKWARD not in probe.latest.texts
-    # every called module's input gradient (head, ln_f, 5 blocks of 5) but inp's and the root's
-    assert probe.latest.scalars == {FORWARD: 0, BACKWARD: 27}
+    # every module read but inp and the root (called with x): head, ln_f and the 5 blocks
+    assert probe.latest.scalars == {FORWARD: 0, BACKWARD: 7}
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -167,11 +173,36 @@ def test_of_several_forwards_in_a_step_the_last_counts(tmp_path: Path, poisoned:
         total.backward()
         probe.step()
     written = read_texts(str(tmp_path)).get(FIRST_BACKWARD + "/text_summary", [])
-    assert written == ([(0, "blocks.2.act"), (1, "blocks.2.act")] if poisoned == 1 else [])
+    assert written == ([(0, BLOCK_2), (1, "blocks.2.act")] if poisoned == 1 else [])
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_nothing_is_watched_on_unlogged_steps_and_one_transfer_on_logged_ones(
+    tmp_path: Path, registered: list[int]
+) -> None:
+    model = Net()
+    model.sqrt.eps = 1.0
+    hooks, syncs = [], []
+    x = torch.randn(8, 16)
+    with normprobe.attach(
+        model, log_dir=str(tmp_path), every=3, metrics=["nonfinite"], example_inputs=(x,)
+    ) as probe:
+        for _ in range(6):
+            registered[0] = 0
+            with CountSyncs() as counter:
+                model.zero_grad()
+                loss(model, x).backward()
+                probe.step()
+            hooks.append(registered[0])
+            syncs.append(counter.count)
+    assert syncs == [1, 0, 0, 1, 0, 0]
+    # logged: the input and output tensors of the modules read (inp, the blocks, ln_f, head)
+    assert hooks[0] == hooks[3] == 8 and hooks[1:3] == hooks[4:] == [0, 0]
+    assert read_events(str(tmp_path)).scalars[BACKWARD] == [(0, 0.0), (3, 0.0)]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_block_found_logs_the_next_step_and_reads_its_modules(
     tmp_path: Path, registered: list[int]
 ) -> None:
     model = Net()
@@ -188,10 +219,13 @@ def test_nothing_is_watched_on_unlogged_steps_and_one_transfer_on_logged_ones(
                 probe.step()
             hooks.append(registered[0])
             syncs.append(counter.count)
-    assert syncs == [1, 0, 0, 1, 0, 0]
-    # logged: the input and output tensors of every called module but inp's and the root's input
-    assert hooks[0] == hooks[3] > 0 and hooks[1:3] == hooks[4:] == [0, 0]
-    assert read_events(str(tmp_path)).scalars[BACKWARD] == [(0, 14.0), (3, 14.0)]
+    # step 0 reads its parameter gradients back too; step 1 is logged for block 2, whose
+    # modules (the outputs of ln, fc1, act, fc2) are read from then on, as it stays first
+    assert syncs == [2, 1, 0, 1, 0, 0]
+    assert hooks == [8, 12, 0, 12, 0, 0]
+    assert read_events(str(tmp_path)).scalars[BACKWARD] == [(0, 3.0), (1, 6.0), (3, 6.0)]
+    written = read_texts(str(tmp_path))[FIRST_BACKWARD + "/text_summary"]
+    assert written == [(0, BLOCK_2), (1, "blocks.2.act"), (3, "blocks.2.act")]
 
 
 def test_not_on_compiled_models(registered: list[int]) -> None:

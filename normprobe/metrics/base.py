@@ -127,6 +127,14 @@ class Plan(Protocol):
         tensor it returned). A tensor one module returns and the next takes comes once.
         Not on compiled models (`compiled`): tensor hooks would break their graph."""
 
+    def select_modules(self, indices: frozenset[int] | None) -> None:
+        """From the next logged forward on, hand `read_outputs` and `read_gradients` actions
+        the modules at these indices in ``modules()`` alone (None: every module). Not on
+        compiled models (`compiled`): their hooks must not change."""
+
+    def capture(self, step: int) -> None:
+        """Log every step up to ``step`` (a finding to look at closer on the next step)."""
+
     def at_forward_start(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` when a logged forward starts: a step's last forward is the one that counts."""
 
@@ -150,6 +158,9 @@ class Plan(Protocol):
 
     def shared(self, key: str, make: Callable[[], Any]) -> Any:
         """One object per probe under ``key``, made on first use: reads two families share."""
+
+    def made(self, key: str) -> Any:
+        """What `shared` made under ``key`` when the families were planned, or None."""
 
     def stacks(self) -> Sequence[Stack]:
         """The stacks whose blocks have weights of their own (not a block run N times)."""

@@ -1,10 +1,20 @@
-"""``nonfinite``: where NaN or Inf first appears, in a forward and in its backward."""
+"""``nonfinite``: where NaN or Inf first appears, in a forward and in its backward.
+
+A NaN or Inf in a tensor makes its sum NaN or Inf, so one sum per tensor says whether it holds
+one. A logged step sums the output and gradients of every module outside the stacks' blocks and
+of each block as a whole (`Watched`; a block's output that is the residual stream other families
+read, `Streams`, from its row norms), not of the modules inside blocks: where the first NaN/Inf
+is a block's, the step names the block, and the next step, logged for it (`Plan.capture`), reads
+that block's modules too and names the module, if the NaN/Inf is still there and still first.
+A block whose backward made a NaN/Inf is narrowed down on its own step as well, by which of its
+modules' parameter gradients are non-finite (one more transfer, on that step only).
+"""
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,33 +22,94 @@ import torch
 from .. import probes, tags
 from ..discovery.trace import iter_tensors
 from .base import MODEL, PROBLEM, Family, Flag, Out, Plan, Run, Series, Side, Values
+from .streams import Streams
 
 Ranks = dict[torch.device, torch.Tensor]  # 0, 1, 2, ... on each device, made once
+# what follows a block's path in the texts while its module is not known
+BLOCK = " (block; module not localized yet)"
+
+
+class Watched:
+    """The modules a logged step reads: those outside the stacks' blocks, each block as one
+    module, and the modules inside the blocks where the last logged step found its first
+    NaN/Inf (`suspect`). On compiled models, whose hooks must not change: every module."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        paths = plan.modules_in_order
+        index = {id(plan.modules[p]): i for i, p in enumerate(paths)}
+        self.inside: dict[int, list[int]] = {}  # by block: the modules inside it
+        for stack in [] if plan.compiled else plan.stacks():
+            for members in stack.members or tuple((b,) for b in stack.blocks):
+                for path in members:
+                    module = plan.modules[path]
+                    inner = [index[id(m)] for m in module.modules() if m is not module]
+                    if inner:
+                        self.inside[index[id(module)]] = inner
+        self.block_of: dict[int, int] = {}  # a module inside blocks: the outermost
+        for block, inner in sorted(self.inside.items(), key=lambda item: len(item[1])):
+            self.block_of.update(dict.fromkeys(inner, block))
+        self.base = frozenset(range(len(paths))).difference(self.block_of)
+        self.suspects: dict[str, int] = {}  # "forward", "backward": the block read inside
+        if self.inside:
+            plan.select_modules(self.base)
+
+    def localized(self, index: int, measured: Mapping[int, float]) -> bool:
+        """Whether module ``index`` is no block, or a block whose modules were read."""
+        inner = self.inside.get(index)
+        return inner is None or any(i in measured for i in inner)
+
+    def suspect(self, side: str, first: int | None) -> None:
+        """From the next logged step on, read inside the (outermost) block that holds or is
+        module ``first`` (``side``'s first NaN/Inf; None: none), no longer inside the last one."""
+        if not self.inside:
+            return
+        block = None if first is None else self.block_of.get(first)
+        if block is None and first in self.inside:
+            block = first
+        if block is None:
+            self.suspects.pop(side, None)
+        else:
+            self.suspects[side] = block
+        read = [self.inside[b] for b in self.suspects.values()]
+        self.plan.select_modules(self.base.union(*read))
 
 
 class NonFinite(Family):
     name = "nonfinite"
     description = (
-        "number of modules whose output holds NaN or Inf, and the first of them in execution "
-        "order; in backward, number of modules whose input gradient holds NaN or Inf, and the "
-        "first, in backward order, that made it from a finite received gradient (both warned "
-        "once; backward: not on compiled models)"
+        "number of modules read whose output holds NaN or Inf, and the first of them in "
+        "execution order; in backward, number of modules read whose input gradient holds NaN "
+        "or Inf, and the first, in backward order, that made it from a finite received "
+        "gradient (both warned once; backward: not on compiled models). A block counts as one "
+        "module: where it is the first, the next step is logged with its modules read, to name "
+        "the module"
     )
     series = (Series("nonfinite", "model"),)
 
     def plan(self, plan: Plan) -> None:
         order: Ranks = {}
-        self._plan_forward(plan, order)
-        self._plan_backward(plan, order)
+        watched = Watched(plan)
+        self._plan_forward(plan, order, watched)
+        self._plan_backward(plan, order, watched)
 
-    def _plan_forward(self, plan: Plan, order: Ranks) -> None:
+    def _plan_forward(self, plan: Plan, order: Ranks, watched: Watched) -> None:
         paths = list(plan.modules_in_order)
         slot = plan.slot(len(paths), "min")  # per module: its rank in execution order, or inf
         seen: set[int] = set()
         last: list[torch.Tensor] = []  # the output read last, and its sum
+        # the residual stream other families read last (`Streams`), and its row norms:
+        # non-finite where its sum is, or at an entry past 1e19, whose square overflows
+        stream: list[torch.Tensor] = []
         read_modules: list[int] = []  # in the order they ran (each module's first call)
         sums: list[torch.Tensor] = []  # the finite sum of each one's output
         warned = [False]
+        streams: list[Streams | None] = []  # looked for at the first logged forward
+
+        def streamed(stack: str, block: int, t: torch.Tensor) -> None:
+            reads = streams[0].reads[stack] if streams[0] is not None else []
+            if reads:
+                stream[:] = [t, reads[-1].norms]
 
         def read(index: int, out: Any) -> None:
             if index in seen:
@@ -50,6 +121,9 @@ class NonFinite(Family):
                 # once
                 if last and last[0] is out:
                     total = last[1]
+                elif stream and _same(stream[0], out):
+                    total = stream[1].sum()
+                    last[:] = [out, total]
                 else:
                     total = probes.finite_sum(out)
                     last[:] = [out, total]
@@ -72,26 +146,36 @@ class NonFinite(Family):
         def clear() -> None:
             seen.clear()
             last.clear()
+            stream.clear()
             read_modules.clear()
             sums.clear()
 
-        plan.at_forward_start(clear)
+        def start() -> None:
+            if not streams:  # the families are planned: a block's stream is read if they asked
+                # (not on compiled models: their graph would have to compare storages)
+                streams.append(None if plan.compiled else plan.made("streams"))
+                if streams[0] is not None:
+                    streams[0].watchers.append(streamed)
+            clear()
+
+        plan.at_forward_start(start)
         plan.at_flush(publish)
         plan.on_clear(clear)
 
         def record(values: Values, out: Out) -> None:
             ranks = values.measured(slot)
-            bad = sorted((r, paths[i]) for i, r in ranks.items() if r != math.inf)
+            bad = sorted((r, i) for i, r in ranks.items() if r != math.inf)
             out.scalar("nonfinite", "modules", float(len(bad)))
+            watched.suspect("forward", bad[0][1] if bad else None)
             if not bad:
                 return
-            first = bad[0][1] or "<root>"
+            first = _place(plan, watched, bad[0][1], ranks, out.step)
             out.text("nonfinite", "first", first)
             if not warned[0] and out.writes:
                 warned[0] = True
                 warnings.warn(
                     f"normprobe: NaN/Inf first appeared in the output of {first} "
-                    f"at step {out.step} ({len(bad)} modules affected)",
+                    f"at step {out.step} ({len(bad)} modules read affected)",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -99,7 +183,7 @@ class NonFinite(Family):
         plan.read_outputs(read)
         plan.on_record(record)
 
-    def _plan_backward(self, plan: Plan, order: Ranks) -> None:
+    def _plan_backward(self, plan: Plan, order: Ranks, watched: Watched) -> None:
         """Per module, the finite sums of its input gradients (each tensor's, accumulated over
         its consumers) and of the gradients its outputs received. At flush, a module whose input
         gradient is non-finite gets its rank in the order input gradients completed if what it
@@ -147,18 +231,23 @@ class NonFinite(Family):
             ranks = values.measured(slot)
             if not ranks:
                 return  # no backward of the step's forward
-            bad = sorted((r, paths[i]) for i, r in ranks.items() if r != math.inf)
+            bad = sorted((r, i) for i, r in ranks.items() if r != math.inf)
             out.scalar("nonfinite", "backward_modules", float(len(bad)))
-            if not bad or bad[0][0] >= spread:
+            made = bad[0][1] if bad and bad[0][0] < spread else None
+            watched.suspect("backward", made)
+            if made is None:
                 return  # finite, or non-finite where it entered: from the loss or the forward
-            first = bad[0][1] or "<root>"
-            out.text("nonfinite", "first_backward", first)
+            first = _place(plan, watched, made, ranks, out.step)
+            narrowed = ""
+            if made in watched.inside and not watched.localized(made, ranks):
+                narrowed = _by_parameter_gradients(plan, watched.inside[made])
+            out.text("nonfinite", "first_backward", first + narrowed)
             if not warned[0] and out.writes:
                 warned[0] = True
                 warnings.warn(
                     f"normprobe: NaN/Inf first appeared in backward in the input gradient of "
                     f"{first} at step {out.step}, from a finite gradient at its output "
-                    f"({len(bad)} modules' input gradients affected)",
+                    f"({len(bad)} read modules' input gradients affected){narrowed}",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -171,6 +260,56 @@ class NonFinite(Family):
 
     def flags(self, run: Run) -> list[Flag]:
         return _forward_flags(run) + _backward_flags(run)
+
+
+def _place(
+    plan: Plan, watched: Watched, index: int, measured: Mapping[int, float], step: int
+) -> str:
+    """Module ``index``'s path; a block's whose modules were not read gets `BLOCK`, and the next
+    step is logged to read them."""
+    path = plan.modules_in_order[index] or "<root>"
+    if watched.localized(index, measured):
+        return path
+    plan.capture(step + 1)
+    return path + BLOCK
+
+
+def _by_parameter_gradients(plan: Plan, inner: Sequence[int]) -> str:
+    """Where a block's backward made a NaN/Inf, by its modules' parameter gradients (not finite
+    in the modules that run before that place, finite in those after it, in the order modules
+    are defined): the last module whose parameter gradients are not finite, and the next one
+    whose are. Read back at once: a second transfer, on the step that found it."""
+    held: list[tuple[str, int]] = []  # (path, number of gradients)
+    grads: list[torch.Tensor] = []
+    for i in inner:
+        path = plan.modules_in_order[i]
+        own = [p.grad for p in plan.modules[path].parameters(recurse=False) if p.grad is not None]
+        if own:
+            held.append((path, len(own)))
+            grads += [probes.local(g) for g in own]
+    if not held:
+        return ""
+    sums = iter(probes.finite_sums(grads).tolist())
+    finite = [all([math.isfinite(next(sums)) for _ in range(n)]) for _, n in held]
+    last = max((k for k, ok in enumerate(finite) if not ok), default=None)
+    if last is None:
+        return "; its parameter gradients are finite"
+    after = next((held[k][0] for k in range(last + 1, len(held)) if finite[k]), None)
+    return f"; parameter gradients not finite in {held[last][0]}" + (
+        f", finite in {after}" if after else ""
+    )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (one of them detached from the other) hold the same values;
+    False for tensor subclasses (a DTensor's storage is its shards')."""
+    return (
+        type(a) is type(b) is torch.Tensor
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
 
 
 def _ranks(order: Ranks, paths: list[str], like: torch.Tensor) -> torch.Tensor:
@@ -205,7 +344,7 @@ def _forward_flags(run: Run) -> list[Flag]:
         return []
     step, count = onset
     texts = run.texts.get(tags.format("nonfinite", "first"), [])
-    first = next((text for s, text in texts if s == step), None)
+    first = _localized(texts, step)
     where = f"first in the output of {first}" if first else "module not recorded"
     return [
         Flag(
@@ -214,11 +353,27 @@ def _forward_flags(run: Run) -> list[Flag]:
             step,
             count,
             0.0,
-            f"NaN/Inf in {count:g} module outputs, {where}; check the learning rate, the "
+            f"NaN/Inf in {count:g} module outputs read, {where}; check the learning rate, the "
             "data of that step and fp16 overflow (earlier logged steps were finite)",
             PROBLEM,
         )
     ]
+
+
+def _localized(texts: list[tuple[int, str]], step: int) -> str | None:
+    """The place named at ``step``; for a block, the module inside it the next logged step
+    named, if it did."""
+    later = [(s, text) for s, text in texts if s >= step]
+    if not later or later[0][0] != step:
+        return None
+    first = later[0][1]
+    if BLOCK not in first:
+        return first
+    block = first[: first.index(BLOCK)]
+    inside = len(later) > 1 and (later[1][1] + ".").startswith(block + ".")
+    if inside and BLOCK not in later[1][1]:
+        return f"{later[1][1]} (block {block} at step {step}, the module at step {later[1][0]})"
+    return first
 
 
 def _backward_flags(run: Run) -> list[Flag]:
@@ -227,7 +382,8 @@ def _backward_flags(run: Run) -> list[Flag]:
     texts = run.texts.get(tags.format("nonfinite", "first_backward"), [])
     if not texts:
         return []
-    step, first = texts[0]
+    step = texts[0][0]
+    first = _localized(texts, step)
     counts = dict(run.scalars.get(tags.format("nonfinite", "backward_modules"), []))
     count = counts.get(step, math.nan)
     return [
@@ -238,7 +394,7 @@ def _backward_flags(run: Run) -> list[Flag]:
             count,
             0.0,
             f"the gradient turned NaN/Inf in the backward of {first} (finite at its output, "
-            f"not at its input; {count:g} modules' input gradients affected); check its "
+            f"not at its input; {count:g} read modules' input gradients affected); check its "
             "operations whose derivative is infinite where the forward is finite (sqrt, pow, "
             "log, division near zero) and fp16 overflow of gradients",
             PROBLEM,

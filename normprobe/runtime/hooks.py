@@ -73,8 +73,9 @@ class Site:
 
 
 class Hooks:
-    """The reads of every site, every module's output and gradient readers, and what registers
-    them (`registrations`): one forward pre-hook and one forward hook per module at most.
+    """The reads of every site, the output and gradient readers of every module (or of the
+    `select`-ed ones), and what registers them (`registrations`): one forward pre-hook and one
+    forward hook per module at most.
 
     ``recording()`` says whether the current forward is logged; a module's calls are counted
     from the start of each recorded forward (`start`).
@@ -87,6 +88,20 @@ class Hooks:
         self.gradients = Gradients()
         self.calls: dict[str, int] = {}
         self.modes: dict[str, list[TorchFunctionMode]] = {}  # entered, by module
+        # indices in ``model.modules()`` of the modules whose outputs and gradients the readers
+        # get (None: all); `reselected` says once that it changed
+        self.selected: frozenset[int] | None = None
+        self._reselected = False
+
+    def select(self, indices: frozenset[int] | None) -> None:
+        """Hand the output and gradient readers these modules' alone from the next arming on."""
+        if indices != self.selected:
+            self.selected, self._reselected = indices, True
+
+    def reselected(self) -> bool:
+        """Whether `select` changed the modules since the last call."""
+        changed, self._reselected = self._reselected, False
+        return changed
 
     def at(self, path: str) -> Site:
         return self.sites.setdefault(path, Site())
@@ -114,7 +129,12 @@ class Hooks:
         # by module: the module, its index in ``model.modules()``, its sites
         found: dict[int, tuple[nn.Module, int | None, list[tuple[str, Site]]]] = {}
         if everyone:
-            found = {id(m): (m, i, []) for i, m in enumerate(model.modules())}
+            selected = self.selected
+            found = {
+                id(m): (m, i, [])
+                for i, m in enumerate(model.modules())
+                if selected is None or i in selected
+            }
         for path, site in self.sites.items():
             module = modules[path]
             found.setdefault(id(module), (module, None, []))[2].append((path, site))
@@ -191,15 +211,19 @@ class Hooks:
 
 
 class Armed:
-    """The reading hooks: registered by `arm` (once; a no-op while armed), removed by `disarm`."""
+    """The reading hooks: registered by `arm` (once; a no-op while armed, unless ``changed()``
+    says which hooks to register changed: then registered anew), removed by `disarm`."""
 
     def __init__(self) -> None:
-        self.registrations: list[Registration] = []
+        self.registrations: Callable[[], list[Registration]] = list
+        self.changed: Callable[[], bool] = lambda: False
         self.handles: list[RemovableHandle] = []
 
     def arm(self) -> None:
+        if self.changed():
+            self.disarm()
         if not self.handles:
-            self.handles = [register() for register in self.registrations]
+            self.handles = [register() for register in self.registrations()]
 
     def disarm(self) -> None:
         for handle in self.handles:

@@ -73,6 +73,7 @@ class ProbePlan:
         self.compiled = compiled
         self.measured = measured
         self.block_grad_squares: torch.Tensor | None = None
+        self.capture_until = -1  # the last step a family asked to log (`capture`)
         self.hooks = hooks
         self.layout = Layout()
         self.name_prefix = name_prefix
@@ -136,6 +137,13 @@ class ProbePlan:
             self._on("clear", gradients.stop)
         gradients.actions.append(action)
 
+    def select_modules(self, indices: frozenset[int] | None) -> None:
+        if not self.compiled:
+            self.hooks.select(indices)
+
+    def capture(self, step: int) -> None:
+        self.capture_until = max(self.capture_until, step)
+
     def at_forward_start(self, fn: Callback) -> None:
         self._on("forward_start", fn)
 
@@ -162,6 +170,9 @@ class ProbePlan:
         if key not in self._shared:
             self._shared[key] = make()
         return self._shared[key]
+
+    def made(self, key: str) -> Any:
+        return self._shared.get(key)
 
     def stacks(self) -> Sequence[Stack]:
         # a repeated block (one module run N times) has one set of weights: no per-block value

@@ -131,8 +131,9 @@ class Probe:
         return step == 0 or step % self.every == self.phase or step <= self._captured()
 
     def _captured(self) -> int:
-        """The last step a spike has logged."""
-        return -1 if self._spikes is None else self._spikes.capture_until
+        """The last step a spike (or a family, `ProbePlan.capture`) has logged."""
+        spikes = -1 if self._spikes is None else self._spikes.capture_until
+        return spikes if self._plan is None else max(spikes, self._plan.capture_until)
 
     def _root_pre(self, *_: Any) -> None:
         self._forward_count += 1
