@@ -342,6 +342,7 @@ class SquareSums:
         self.order = joined + [i for i, _, _ in runs] + self.alone
         self.joined = [(i, tensors[i].dim() != 1, tensors[i].numel()) for i in joined]
         self.runs = runs
+        self.sampled = [i for i, _, _ in runs]  # the positions of the tensors sampled
         device = tensors[0].device
         self._lengths = torch.tensor([n for _, _, n in self.joined], device=device)
         self._rows = torch.tensor([size[0] for _, size, _ in runs], device=device)

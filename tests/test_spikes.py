@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 import normprobe
 from normprobe import probes, tags
 from normprobe.models import TinyTransformer
-from normprobe.runtime.spikes import SpikeDetector, _check
+from normprobe.runtime.spikes import HostRule, SpikeDetector, _check
 
 SPIKE_AT = 60
 STEPS = 100
@@ -199,25 +199,28 @@ def test_nan_and_inf_neither_spike_nor_enter_the_history() -> None:
     assert not event.grad.spiked and event.grad.value == pytest.approx(1.0)
 
 
-def test_the_rule_on_device_tensors_matches_the_one_on_numpy_arrays() -> None:
-    # a CPU runs the rule on numpy arrays, other devices on torch tensors: the same function
-    spikes, columns = normprobe.Spikes(window=16), 5
+def test_the_host_rule_matches_the_one_on_device_tensors() -> None:
+    # a CPU runs the rule on running sums in Python floats, other devices on torch tensors;
+    # a value 1e9 times the others leaves the window at step 61: the sums are redone
+    spikes, columns, window = normprobe.Spikes(window=32), 5, 32
     rng = np.random.default_rng(0)
-    history = rng.normal(1.0, 0.1, 16 * columns).astype(np.float32)
-    present = (rng.random(16 * columns) > 0.1).astype(np.float32)
-    present.reshape(16, columns)[:, 0] = 1.0  # a full history: past the warm-up
-    history *= present
-    row = np.zeros(2 + 4 * columns, np.float32)
-    row[2 + columns : 2 + 2 * columns] = [5.0, 1.02, math.nan, 0.9, math.inf]
-    arrays = [row, history, present]
-    tensors = [torch.from_numpy(a.copy()) for a in arrays]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        _check(np, *arrays, 3, spikes)
-    _check(torch, *tensors, 3, spikes)
-    for a, t in zip(arrays, tensors, strict=True):
-        np.testing.assert_allclose(t.numpy(), a, rtol=1e-6, equal_nan=True)
-    assert row[:2].tolist() == [1.0, 0.0]  # the first column spiked, the second did not
-    assert present.reshape(16, columns)[3].tolist() == [1.0, 1.0, 0.0, 1.0, 0.0]
+    steps = rng.normal(1.0, 0.1, (80, columns)).astype(np.float32)
+    steps[rng.random(steps.shape) < 0.1] = math.nan
+    steps[10, 3], steps[29, 1], steps[60, 2] = math.inf, 1e9, 0.0
+    steps[50, 0], steps[70, 1] = 5.0, 4.0  # spikes
+    rule = HostRule(spikes, columns)
+    history, present = torch.zeros(window * columns), torch.zeros(window * columns)
+    flags = []
+    for step, values in enumerate(steps):
+        row = np.zeros(2 + 4 * columns, np.float32)
+        row[2 + columns : 2 + 2 * columns] = values
+        device = torch.from_numpy(row.copy())
+        rule(row, step % window)
+        _check(device, history, present, step % window, spikes)
+        np.testing.assert_allclose(row, device.numpy(), rtol=1e-4, atol=1e-5, equal_nan=True)
+        flags.append(row[:2].tolist())
+    assert [s for s, f in enumerate(flags) if f != [0.0, 0.0]] == [29, 50, 70]
+    assert flags[50] == [1.0, 0.0] and flags[70] == [0.0, 1.0]
 
 
 @pytest.mark.parametrize(
@@ -401,7 +404,7 @@ def test_square_sums_read_whole_are_exact_for_every_kind_of_gradient() -> None:
         torch.randn(10),  # a missing gradient, below
     ]
     squares = probes.SquareSums(tensors, sample=None)
-    assert not squares.runs
+    assert not squares.sampled
     given: list[torch.Tensor | None] = [*tensors[:-1], None]
     want = _exact_squares([t.float() if t is not None else None for t in given])
     assert _in_order(squares, squares(given)) == pytest.approx(want, rel=1e-5)
@@ -424,7 +427,7 @@ def test_a_sample_scales_to_the_whole_tensor_and_walks_through_all_columns() -> 
     conv = torch.full((64, 64, 3, 3), 2.0).to(memory_format=torch.channels_last)
     strided = torch.full((512, 64), 2.0)[::2]
     squares = probes.SquareSums([conv, strided], sample=1024)
-    assert len(squares.runs) == 2
+    assert squares.sampled == [0, 1]
     got = _in_order(squares, squares([conv, strided]))
     assert got == pytest.approx([4.0 * conv.numel(), 4.0 * strided.numel()], rel=1e-6)
 
@@ -442,7 +445,7 @@ def test_the_sampled_gradient_norms_are_within_the_stated_bound(one_thread: None
     blocks = [[index[id(p)] for p in block.parameters()] for block in model.blocks]
     tables = [id(p) in {id(model.tok.weight), id(model.pos.weight)} for p in params]
     squares = probes.SquareSums(params, normprobe.Spikes().sample, tables)
-    assert len(squares.runs) == 4 * 4 + 1  # each block's four large matrices, and the head
+    assert len(squares.sampled) == 4 * 4 + 1  # each block's four large matrices, and the head
     opt = torch.optim.AdamW(params, lr=1e-3)
     data = torch.randint(0, 96, (10, 8, 32), generator=torch.Generator().manual_seed(0))
     for tokens in data:
@@ -495,6 +498,6 @@ def test_embedding_tables_are_read_whole(tmp_path: Path) -> None:
         assert probe._spikes is not None
         detector = probe._spikes.detector
         [(_, squares)] = detector._passes
-    sampled = {id(detector.params[i]) for i, _, _ in squares.runs}
+    sampled = {id(detector.params[i]) for i in squares.sampled}
     assert id(model.model.tok.weight) not in sampled  # 96 x 32: past the sample, whole
     assert id(model.model.blocks[0].mlp.fc.weight) in sampled
