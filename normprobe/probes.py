@@ -307,6 +307,123 @@ def _row_squares(stacked: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32).pow_(2)
 
 
+# `SquareSums` reads a sampled tensor in runs of this many consecutive entries: 64 bytes of
+# float32, one cache line. Single entries at a stride of 16 floats or more would each cost a
+# whole line: as much memory traffic as reading the tensor whole.
+CHUNK = 16
+
+
+class SquareSums:
+    """Sums of squared entries of a fixed list of tensors on one device (a model's gradients,
+    new tensors each step, given in the same order; None counts 0), each read whole or, past
+    ``sample`` entries, estimated from a fixed sample of about ``sample`` of them.
+
+    The sample of a tensor is a run of `CHUNK` consecutive entries (in memory order) every
+    ``CHUNK * q`` entries, ``q`` prime to a row's length (the entries past the first axis) so
+    that the runs walk through all columns rather than repeat a few; its sum of squares times
+    numel / entries read estimates the tensor's. The positions are the same at every step.
+    The plain tensors read whole of at most `SMALL_NUMEL` entries are concatenated, reduced in
+    one call (a CPU spends microseconds on each call); the others (larger, a DTensor, a
+    subclass) are read as `squared_norms` does. Results come in float32, in the order of
+    `order` (positions in the list).
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        sample: int | None,
+        whole: Sequence[bool] | None = None,
+    ) -> None:
+        """``whole``: which tensors to read whole whatever their size (the gradient of an
+        embedding table: a few rows, which a sample would mostly miss)."""
+        plain = [type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors]
+        runs = []
+        for i, t in enumerate(tensors):
+            if plain[i] and sample is not None and t.numel() > sample and not (whole and whole[i]):
+                period = CHUNK * _run_period(t.numel(), t.numel() // len(t), sample)
+                runs.append((i, (1 + (t.numel() - CHUNK) // period, CHUNK), (period, 1)))
+        sampled = {i for i, _, _ in runs}
+        joined = [
+            i
+            for i, t in enumerate(tensors)
+            if plain[i] and i not in sampled and t.numel() <= SMALL_NUMEL
+        ]
+        self.alone = [i for i in range(len(tensors)) if i not in sampled and i not in joined]
+        self.order = joined + [i for i, _, _ in runs] + self.alone
+        self.joined = [(i, tensors[i].dim() != 1, tensors[i].numel()) for i in joined]
+        self.runs = runs
+        self.sampled = [i for i, _, _ in runs]  # the positions of the tensors sampled
+        device = tensors[0].device
+        self._lengths = torch.tensor([n for _, _, n in self.joined], device=device)
+        self._rows = torch.tensor([size[0] for _, size, _ in runs], device=device)
+        self._scales = torch.tensor(
+            [tensors[i].numel() / (size[0] * CHUNK) for i, size, _ in runs], device=device
+        )
+        self._zeros: dict[int, torch.Tensor] = {}
+        self._device = device
+
+    def __call__(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """The sums (estimates of the sampled ones) of ``tensors`` in the order `order`; under
+        ``torch.no_grad()`` for gradients made with ``create_graph``."""
+        parts = []
+        if self.joined:
+            flat = torch.cat(
+                [
+                    self._zero(n) if (t := tensors[i]) is None else t.reshape(-1) if nd else t
+                    for i, nd, n in self.joined
+                ]
+            )
+            flat = flat if flat.dtype == torch.float64 else flat.float()
+            # unsafe: the lengths are right by construction; checking them reads them back
+            parts.append(
+                torch.segment_reduce(flat * flat, "sum", lengths=self._lengths, unsafe=True).float()
+            )
+        if self.runs:
+            runs = torch.cat(
+                [
+                    self._zero(size[0] * CHUNK).view(size)
+                    if (t := tensors[i]) is None
+                    else t.as_strided(size, stride, t.storage_offset())
+                    if t.is_contiguous()
+                    else _runs(t, size, stride)
+                    for i, size, stride in self.runs
+                ]
+            )
+            runs = runs if runs.dtype == torch.float64 else runs.float()
+            rows = torch.linalg.vecdot(runs, runs)
+            squares = torch.segment_reduce(rows, "sum", lengths=self._rows, unsafe=True).float()
+            parts.append(squares.mul_(self._scales))
+        if self.alone:  # a missing gradient as a one-entry zero
+            none = self._zero(1)
+            alone = [none if (t := tensors[i]) is None else t for i in self.alone]
+            parts.append(squared_norms(alone).float())
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _zero(self, numel: int) -> torch.Tensor:
+        if numel not in self._zeros:
+            self._zeros[numel] = torch.zeros(numel, device=self._device)
+        return self._zeros[numel]
+
+
+def _run_period(numel: int, row: int, sample: int) -> int:
+    """``q`` for `SquareSums`: at least numel / ``sample`` (at most ``sample`` entries read)
+    and prime to ``row``."""
+    q = max(2, math.ceil(numel / sample))
+    while math.gcd(q, row) != 1:
+        q += 1
+    return q
+
+
+def _runs(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """The runs of entries `SquareSums` reads of a tensor that is not contiguous, in memory
+    order: a view when it fills its memory in a permuted order (channels_last), else runs of
+    a contiguous copy."""
+    by_stride = sorted(range(t.dim()), key=lambda d: -t.stride()[d])
+    if not t.permute(by_stride).is_contiguous():
+        t = t.contiguous()
+    return t.as_strided(size, stride, t.storage_offset())
+
+
 def group_sums(values: torch.Tensor, index: torch.Tensor, groups: int) -> torch.Tensor:
     """``out[g]``: the sum of the ``values[i]`` with ``index[i] == g``, for ``g < groups``."""
     return values.new_zeros(groups).index_add_(0, index, values)

@@ -4,7 +4,6 @@ Lightning and Hugging Face callbacks."""
 
 from __future__ import annotations
 
-import collections
 import copy
 import math
 import warnings
@@ -23,9 +22,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader
 
 import normprobe
-from normprobe import tags
+from normprobe import probes, tags
 from normprobe.models import TinyTransformer
-from normprobe.runtime.spikes import SpikeDetector, _check
+from normprobe.runtime.spikes import HostRule, SpikeDetector, _check
 
 SPIKE_AT = 60
 STEPS = 100
@@ -200,25 +199,28 @@ def test_nan_and_inf_neither_spike_nor_enter_the_history() -> None:
     assert not event.grad.spiked and event.grad.value == pytest.approx(1.0)
 
 
-def test_the_rule_on_device_tensors_matches_the_one_on_numpy_arrays() -> None:
-    # a CPU runs the rule on numpy arrays, other devices on torch tensors: the same function
-    spikes, columns = normprobe.Spikes(window=16), 5
+def test_the_host_rule_matches_the_one_on_device_tensors() -> None:
+    # a CPU runs the rule on running sums in Python floats, other devices on torch tensors;
+    # a value 1e9 times the others leaves the window at step 61: the sums are redone
+    spikes, columns, window = normprobe.Spikes(window=32), 5, 32
     rng = np.random.default_rng(0)
-    history = rng.normal(1.0, 0.1, 16 * columns).astype(np.float32)
-    present = (rng.random(16 * columns) > 0.1).astype(np.float32)
-    present.reshape(16, columns)[:, 0] = 1.0  # a full history: past the warm-up
-    history *= present
-    row = np.zeros(2 + 4 * columns, np.float32)
-    row[2 + columns : 2 + 2 * columns] = [5.0, 1.02, math.nan, 0.9, math.inf]
-    arrays = [row, history, present]
-    tensors = [torch.from_numpy(a.copy()) for a in arrays]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        _check(np, *arrays, 3, spikes)
-    _check(torch, *tensors, 3, spikes)
-    for a, t in zip(arrays, tensors, strict=True):
-        np.testing.assert_allclose(t.numpy(), a, rtol=1e-6, equal_nan=True)
-    assert row[:2].tolist() == [1.0, 0.0]  # the first column spiked, the second did not
-    assert present.reshape(16, columns)[3].tolist() == [1.0, 1.0, 0.0, 1.0, 0.0]
+    steps = rng.normal(1.0, 0.1, (80, columns)).astype(np.float32)
+    steps[rng.random(steps.shape) < 0.1] = math.nan
+    steps[10, 3], steps[29, 1], steps[60, 2] = math.inf, 1e9, 0.0
+    steps[50, 0], steps[70, 1] = 5.0, 4.0  # spikes
+    rule = HostRule(spikes, columns)
+    history, present = torch.zeros(window * columns), torch.zeros(window * columns)
+    flags = []
+    for step, values in enumerate(steps):
+        row = np.zeros(2 + 4 * columns, np.float32)
+        row[2 + columns : 2 + 2 * columns] = values
+        device = torch.from_numpy(row.copy())
+        rule(row, step % window)
+        _check(device, history, present, step % window, spikes)
+        np.testing.assert_allclose(row, device.numpy(), rtol=1e-4, atol=1e-5, equal_nan=True)
+        flags.append(row[:2].tolist())
+    assert [s for s, f in enumerate(flags) if f != [0.0, 0.0]] == [29, 50, 70]
+    assert flags[50] == [1.0, 0.0] and flags[70] == [0.0, 1.0]
 
 
 @pytest.mark.parametrize(
@@ -230,6 +232,9 @@ def test_the_rule_on_device_tensors_matches_the_one_on_numpy_arrays() -> None:
         ({"window": 4}, r"window=4.*at least 8.*spikes=None"),
         ({"capture": -1}, r"capture=-1.*0 or more"),
         ({"window": 12.5}, r"window=12\.5"),
+        ({"sample": 8}, r"sample=8.*at least 16.*None to read every entry"),
+        ({"sample": 1e4}, r"sample=10000\.0.*number of entries"),
+        ({"sample": True}, r"sample=True"),
     ],
 )
 def test_bad_settings_name_the_value_and_the_way_out(setting: dict[str, Any], message: str) -> None:
@@ -334,41 +339,165 @@ def test_the_hugging_face_callback_reads_the_loss_from_the_models_output(
     assert [s for s, _ in grad_ratio] == [20, 31, 32, 33, 40]
 
 
-def _gradient_passes(model: nn.Module, tokens: torch.Tensor, detector: bool) -> tuple[Any, int]:
-    """grad_norm's per-block values after one step, and the passes over the gradients taken:
-    the most times one gradient was handed to a batched norm or a stack (`probes.ByShape`)."""
+def _grad_norms(
+    model: TinyTransformer, spikes: normprobe.Spikes | None, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[float], list[float], int]:
+    """grad_norm's per-block values after one step, the exact ones, and the passes grad_norm
+    made over the gradients itself (`probes.ByShape.squared_norms` calls)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sink = normprobe.MemorySink()
-    reduced: collections.Counter[int] = collections.Counter()
-    originals = {"_foreach_norm": torch._foreach_norm, "stack": torch.stack}
-
-    def counting(name: str) -> Any:
-        def call(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            grads = {id(p.grad) for p in model.parameters()}
-            if tensors and all(id(t) in grads for t in tensors):
-                reduced.update(id(t) for t in tensors)
-            return originals[name](tensors, *args, **kwargs)
-
-        return call
-
-    spikes = normprobe.Spikes() if detector else None
+    own = []
+    original = probes.ByShape.squared_norms
+    monkeypatch.setattr(
+        probes.ByShape,
+        "squared_norms",
+        lambda self, *args: own.append(1) or original(self, *args),
+    )
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     with normprobe.attach(model, opt, sinks=[sink], metrics=["grad_norm"], spikes=spikes):
-        for name in originals:
-            setattr(torch, name, counting(name))
-        try:
-            model.loss(tokens, tokens).backward()
-            opt.step()
-        finally:
-            for name, original in originals.items():
-                setattr(torch, name, original)
-    return sink.records[0].profiles[tags.format("grad_norm", "blocks")], max(reduced.values())
+        model.loss(tokens, tokens).backward()
+        exact = [
+            torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in block.parameters()]))
+            for block in model.blocks
+        ]
+        opt.step()
+    logged = sink.records[0].profiles[tags.format("grad_norm", "blocks")]
+    return logged, [float(n) for n in exact], len(own)
 
 
-def test_grad_norm_reuses_the_detectors_pass_over_the_gradients() -> None:
+def test_logged_grad_norms_are_exact_and_share_only_a_pass_that_read_every_entry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     torch.manual_seed(0)
     model = TinyTransformer(width=32, depth=3, context=16)
-    tokens = torch.randint(0, 96, (2, 16))
-    with_detector = _gradient_passes(copy.deepcopy(model), tokens, detector=True)
-    without = _gradient_passes(copy.deepcopy(model), tokens, detector=False)
-    assert with_detector[0] == pytest.approx(without[0], rel=1e-6)
-    assert (with_detector[1], without[1]) == (1, 1)  # the detector's pass, or grad_norm's own
+    runs = []
+    for spikes in (normprobe.Spikes(sample=None), normprobe.Spikes(sample=256), None):
+        logged, exact, own = _grad_norms(copy.deepcopy(model), spikes, monkeypatch)
+        assert logged == pytest.approx(exact, rel=1e-5)
+        runs.append(own)
+    # a detector that read every entry hands its sums over; a sampled one does not
+    assert runs == [0, 1, 1]
+
+
+def _exact_squares(tensors: list[torch.Tensor | None]) -> list[float]:
+    return [0.0 if t is None else float(t.double().pow(2).sum()) for t in tensors]
+
+
+def _in_order(squares: probes.SquareSums, values: torch.Tensor) -> list[float]:
+    out = [0.0] * len(values)
+    for position, value in zip(squares.order, values.tolist(), strict=True):
+        out[position] = value
+    return out
+
+
+def test_square_sums_read_whole_are_exact_for_every_kind_of_gradient() -> None:
+    torch.manual_seed(0)
+    conv = torch.randn(32, 16, 3, 3).to(memory_format=torch.channels_last)
+    tensors = [
+        torch.randn(300),  # joined, 1-D
+        torch.randn(20, 30),  # joined, flattened
+        torch.randn(200, 100),  # large: its own norm
+        torch.randn(50).bfloat16(),
+        torch.randn(64, 64).double(),
+        torch.randn(40, 30).t(),  # not contiguous
+        conv,
+        torch.randn(10),  # a missing gradient, below
+    ]
+    squares = probes.SquareSums(tensors, sample=None)
+    assert not squares.sampled
+    given: list[torch.Tensor | None] = [*tensors[:-1], None]
+    want = _exact_squares([t.float() if t is not None else None for t in given])
+    assert _in_order(squares, squares(given)) == pytest.approx(want, rel=1e-5)
+
+
+def test_a_sample_scales_to_the_whole_tensor_and_walks_through_all_columns() -> None:
+    shape = (1024, 256)
+    squares = probes.SquareSums([torch.zeros(shape)], sample=4096)
+    [(_, (runs, width), _)] = squares.runs
+    assert width == probes.CHUNK and runs * width <= 4096 + probes.CHUNK
+    # a constant tensor: the sample's mean square is the tensor's
+    [estimate] = squares([torch.full(shape, 0.5)]).tolist()
+    assert estimate == pytest.approx(0.25 * 1024 * 256, rel=1e-6)
+    # every column is read in some rows: a gradient in one column alone is seen
+    for column in range(shape[1]):
+        grad = torch.zeros(shape)
+        grad[:, column] = 1.0
+        assert squares([grad]).item() > 0, column
+    # channels_last (read in memory order) and a view that does not fill its memory (copied)
+    conv = torch.full((64, 64, 3, 3), 2.0).to(memory_format=torch.channels_last)
+    strided = torch.full((512, 64), 2.0)[::2]
+    squares = probes.SquareSums([conv, strided], sample=1024)
+    assert squares.sampled == [0, 1]
+    got = _in_order(squares, squares([conv, strided]))
+    assert got == pytest.approx([4.0 * conv.numel(), 4.0 * strided.numel()], rel=1e-6)
+
+
+# The bound the Spikes docstring states for the default sample: the total gradient norm within
+# 3% of the exact one, each block's within 10%.
+TOTAL_BOUND, BLOCK_BOUND = 0.03, 0.10
+
+
+def test_the_sampled_gradient_norms_are_within_the_stated_bound(one_thread: None) -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer(width=128, depth=4, context=32)
+    params = list(model.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    blocks = [[index[id(p)] for p in block.parameters()] for block in model.blocks]
+    tables = [id(p) in {id(model.tok.weight), id(model.pos.weight)} for p in params]
+    squares = probes.SquareSums(params, normprobe.Spikes().sample, tables)
+    assert len(squares.sampled) == 4 * 4 + 1  # each block's four large matrices, and the head
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    data = torch.randint(0, 96, (10, 8, 32), generator=torch.Generator().manual_seed(0))
+    for tokens in data:
+        opt.zero_grad(set_to_none=True)
+        model.loss(tokens, tokens).backward()
+        grads = [p.grad for p in params]
+        got, want = _in_order(squares, squares(grads)), _exact_squares(grads)
+        assert math.sqrt(sum(got) / sum(want)) == pytest.approx(1.0, abs=TOTAL_BOUND)
+        for block in blocks:
+            ratio = sum(got[i] for i in block) / sum(want[i] for i in block)
+            assert math.sqrt(ratio) == pytest.approx(1.0, abs=BLOCK_BOUND)
+        opt.step()
+
+
+def test_a_broad_gradient_spike_is_caught_by_a_sampled_detector(
+    tmp_path: Path, one_thread: None
+) -> None:
+    with pytest.warns(RuntimeWarning, match=f"spike at step {SPIKE_AT} "):
+        train(tmp_path, SPIKE_AT, spikes=normprobe.Spikes(sample=256))
+    events = read_events(str(tmp_path))
+    assert [s for s, _ in events.scalars[GRAD_Z]] == [SPIKE_AT]
+
+
+def test_only_a_detector_reading_every_entry_sees_a_spike_the_sample_skips() -> None:
+    # the limit of a sample: a gradient that rises at entries outside it goes unseen
+    weight = nn.Parameter(torch.zeros(64, 64))
+    noise = torch.randn(40, 64, 64, generator=torch.Generator().manual_seed(0))
+    found = {}
+    for sample in (None, 256):
+        detector = SpikeDetector(normprobe.Spikes(window=32, sample=sample), [weight], {})
+        events = []
+        for step, grad in enumerate(noise):
+            weight.grad = grad.clone()
+            if step == 30:
+                weight.grad.view(-1)[probes.CHUNK] = 1000.0  # past the first run of the sample
+            detector.watch(step)
+            events += detector.found()
+        found[sample] = [(e.step, e.kind) for e in events]
+    assert found == {None: [(30, "gradient spike")], 256: []}
+
+
+def test_embedding_tables_are_read_whole(tmp_path: Path) -> None:
+    model = LossOut()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with normprobe.attach(
+        model, opt, log_dir=str(tmp_path), spikes=normprobe.Spikes(sample=256)
+    ) as probe:
+        model(torch.randint(0, 96, (2, 16)))["loss"].backward()
+        opt.step()
+        assert probe._spikes is not None
+        detector = probe._spikes.detector
+        [(_, squares)] = detector._passes
+    sampled = {id(detector.params[i]) for i in squares.sampled}
+    assert id(model.model.tok.weight) not in sampled  # 96 x 32: past the sample, whole
+    assert id(model.model.blocks[0].mlp.fc.weight) in sampled
