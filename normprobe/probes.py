@@ -169,8 +169,10 @@ def squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     unlike norms, add up across shards.
 
     Of a DTensor (FSDP2), its local shard's, weighted by `shard_share`: summed over ranks,
-    the whole tensor's.
+    the whole tensor's; of a sparse tensor (an ``nn.Embedding(sparse=True)`` gradient), its
+    values'.
     """
+    tensors = [t.coalesce().values() if t.is_sparse else t for t in tensors]
     shares = None
     dtensor = _dtensor_type()
     if dtensor is not None and any(isinstance(t, dtensor) for t in tensors):
@@ -334,8 +336,9 @@ class SquareSums:
         sample: int | None,
         whole: Sequence[bool] | None = None,
     ) -> None:
-        """``whole``: which tensors to read whole whatever their size (the gradient of an
-        embedding table: a few rows, which a sample would mostly miss)."""
+        """``whole``: which tensors to read whole whatever their size, as `squared_norms` does
+        (the gradient of an embedding table: a few rows, which a sample would mostly miss, or
+        a sparse tensor)."""
         plain = [type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors]
         runs = []
         for i, t in enumerate(tensors):
@@ -346,7 +349,10 @@ class SquareSums:
         joined = [
             i
             for i, t in enumerate(tensors)
-            if plain[i] and i not in sampled and t.numel() <= SMALL_NUMEL
+            if plain[i]
+            and i not in sampled
+            and t.numel() <= SMALL_NUMEL
+            and not (whole and whole[i])
         ]
         self.alone = [i for i in range(len(tensors)) if i not in sampled and i not in joined]
         self.order = joined + [i for i, _, _ in runs] + self.alone

@@ -501,3 +501,45 @@ def test_embedding_tables_are_read_whole(tmp_path: Path) -> None:
     sampled = {id(detector.params[i]) for i in squares.sampled}
     assert id(model.model.tok.weight) not in sampled  # 96 x 32: past the sample, whole
     assert id(model.model.blocks[0].mlp.fc.weight) in sampled
+
+
+def test_sparse_embedding_gradients_count_their_values(tmp_path: Path) -> None:
+    """``nn.Embedding(sparse=True)`` gives a sparse gradient: its sum of squares is its
+    values' (repeated tokens coalesced first), and the other columns are unaffected."""
+
+    class SparseTok(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(50, 8, sparse=True)
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)
+            )
+            self.head = nn.Linear(8, 50)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.tok(x)
+            for block in self.blocks:
+                h = h + block(h)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model = SparseTok()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.tensor([[1, 2, 2, 7]])  # token 2 twice: two entries of one row to coalesce
+    with normprobe.attach(model, opt, log_dir=str(tmp_path), every=1) as probe:
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        assert model.tok.weight.grad is not None and model.tok.weight.grad.is_sparse
+        opt.step()
+        assert probe._spikes is not None
+        total = float(probe._spikes.detector._x[1])
+    exact = math.sqrt(
+        sum(
+            (p.grad.to_dense() if p.grad.is_sparse else p.grad).pow(2).sum().item()
+            for p in model.parameters()
+            if p.grad is not None
+        )
+    )
+    assert total == pytest.approx(exact, rel=1e-5)
+    block = probe.latest.scalars[tags.format("grad_norm", "blocks", 0, depth=3)]
+    want = math.sqrt(sum(p.grad.pow(2).sum().item() for p in model.blocks[0].parameters()))
+    assert block == pytest.approx(want, rel=1e-5)
