@@ -479,6 +479,41 @@ def head_abs_max(scores: torch.Tensor, heads: int) -> torch.Tensor:
     return per_slice.view(-1, heads).amax(dim=0)
 
 
+SAMPLE_SHARE = 8  # the logit max forms the logits of 1 query row in 8 with every key, and of
+SAMPLE_ROWS = 16  # 1 key in 8 with every query; at least 16 of each per sequence and head
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.gather(-2, index.expand(*index.shape[:-1], x.shape[-1]))
+
+
+def logit_sample(query: torch.Tensor, key: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pairs (queries, keys) whose products `sdpa_logit_max` forms: ``[(query, key)]`` when that
+    costs no more than the sample, else the queries with every key and every query with the
+    keys, a `SAMPLE_SHARE`-th of each per sequence and head (at least `SAMPLE_ROWS`).
+
+    The keys taken are those farthest from the mean key m (an attention sink, an outlier); for
+    the rest, |q . k| <= |q . m| + |q| r, r the largest distance |k - m| left, and the queries
+    taken are those with the largest such bound. ``key`` may have fewer heads than ``query``
+    (grouped-query attention).
+    """
+    t_q, t_k = query.shape[-2], key.shape[-2]
+    rows = max(SAMPLE_ROWS, -(-t_q // SAMPLE_SHARE))
+    cols = max(SAMPLE_ROWS, -(-t_k // SAMPLE_SHARE))
+    if rows * t_k + t_q * cols >= t_q * t_k:
+        return [(query, key)]
+    mean = key.mean(dim=-2, keepdim=True)
+    far = torch.linalg.vector_norm(key - mean, dim=-1, keepdim=True).topk(cols + 1, dim=-2)
+    radius = far.values[..., cols:, :]  # the largest distance among the keys not taken
+    if min(query.ndim, key.ndim) >= 3 and key.shape[-3] != query.shape[-3]:
+        group = query.shape[-3] // key.shape[-3]
+        mean, radius = (t.repeat_interleave(group, dim=-3) for t in (mean, radius))
+    bound = (query @ mean.transpose(-1, -2)).abs()  # (..., queries, 1)
+    bound += torch.linalg.vector_norm(query, dim=-1, keepdim=True) * radius
+    index = bound.topk(rows, dim=-2, sorted=False).indices
+    return [(_rows(query, index), key), (query, _rows(key, far.indices[..., :cols, :]))]
+
+
 def sdpa_logit_max(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -487,28 +522,44 @@ def sdpa_logit_max(
     chunk_elements: int = 1 << 22,
 ) -> torch.Tensor:
     """max |q . k| * scale of each query head over the logits ``scaled_dot_product_attention``
-    forms: a vector of ``heads`` values (default: ``query.shape[-3]``, 1 for 2-D queries).
+    forms, over the products `logit_sample` picks: a vector of ``heads`` values (default:
+    ``query.shape[-3]``, 1 for 2-D queries). A lower bound of the max over every product,
+    exact for short sequences (up to 2 * `SAMPLE_ROWS` queries and keys).
 
     Every q . k product counts, masks (``attn_mask``, ``is_causal``) left out as they are in
     eager attention, where the max is taken before a mask meets the logits. The logits are
     materialized in float32 a block of query rows at a time, so memory stays near
     ``chunk_elements`` floats whatever the sequence length. Grouped-query attention (fewer key
-    heads) is expanded to the query's heads.
+    heads) serves each key head's queries together.
     """
-    q, k = query.detach().float(), key.detach().float()
+    # contiguous: the matmuls and gathers of strided q and k (views of a fused qkv) copy them
+    q, k = query.detach().float().contiguous(), key.detach().float().contiguous()
     if heads is None:
         heads = q.shape[-3] if q.ndim >= 3 else 1
-    if k.ndim >= 3 and k.shape[-3] != q.shape[-3]:
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    best = torch.zeros(heads, device=q.device)
+    for qs, ks in logit_sample(q, k):
+        best = torch.maximum(best, _products_max(qs, ks, heads, chunk_elements))
+    return best * abs(scale)
+
+
+def _products_max(q: torch.Tensor, k: torch.Tensor, heads: int, chunk: int) -> torch.Tensor:
+    """max |q . k| of each head, ``chunk`` products at a time."""
+    group = q.shape[-3] // k.shape[-3] if min(q.ndim, k.ndim) >= 3 else 1
     t_q, t_k = q.shape[-2], k.shape[-2]
-    rows_per_chunk = max(1, chunk_elements // max(1, q[..., :1, :1].numel() * t_k))
+    rows_per_chunk = max(1, chunk // max(1, q[..., :1, :1].numel() * t_k))
     best = torch.zeros(heads, device=q.device)
     kt = k.transpose(-1, -2)
     for start in range(0, t_q, rows_per_chunk):
-        s = q[..., start : start + rows_per_chunk, :] @ kt  # unscaled: max |s c| = |c| max |s|
+        block = q[..., start : start + rows_per_chunk, :]
+        if group > 1:  # (..., k_heads * group, rows, d) as (..., k_heads, group * rows, d)
+            shape = block.shape
+            block = block.reshape(*shape[:-3], k.shape[-3], -1, shape[-1])
+            s = (block @ kt).view(*shape[:-1], t_k)
+        else:
+            s = block @ kt  # unscaled: max |s c| = |c| max |s|
         best = torch.maximum(best, head_abs_max(s, heads))
-    return best * abs(scale)
+    return best
 
 
 def mha_logit_max(
@@ -530,7 +581,8 @@ def mha_logit_max(
     q = query w_q^T + b_q and k = key w_k^T + b_k are split into ``num_heads`` heads, with
     ``bias_k`` appended as one more key, or ``static_k`` (batch * heads, keys, head_dim) taken
     as the keys. Masks are additive or exclude positions the model still forms logits for: they
-    are ignored. The logits are materialized a block at a time, as in `sdpa_logit_max`.
+    are ignored. Over the products of `logit_sample`, materialized a block at a time, as in
+    `sdpa_logit_max`.
     """
 
     def project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

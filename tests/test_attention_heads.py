@@ -17,8 +17,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import normprobe
-from normprobe import tags
-from normprobe.metrics.attn_logits_head import TAU
+from normprobe import probes, tags
+from normprobe.metrics.attn_logits_head import SAMPLED_ERROR, TAU
 from normprobe.models import TinyTransformer
 from normprobe.sinks import heatmap_tag
 
@@ -65,7 +65,7 @@ def logged_heads(model: nn.Module, inputs: dict[str, Any], tmp_path: Path) -> li
         return [profiles[probe.tag("attn_logits_head", a.path)] for a in probe.model_map.attention]
 
 
-def llama(attn: str) -> nn.Module:
+def llama(attn: str, context: int = 32) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -76,7 +76,7 @@ def llama(attn: str) -> nn.Module:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,  # grouped-query: two query heads share each key head
-        max_position_embeddings=32,
+        max_position_embeddings=context,
         attn_implementation=attn,
     )
     model = LlamaForCausalLM(config).eval()
@@ -107,6 +107,34 @@ def test_llama_heads_equal_the_materialized_logits_eager_and_sdpa(tmp_path: Path
         found[attn] = got
     for eager, sdpa in zip(found["eager"], found["sdpa"], strict=True):
         assert eager == pytest.approx(sdpa, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama"])
+def test_sampled_query_rows_read_a_lower_bound_within_its_stated_error(
+    tmp_path: Path, name: str
+) -> None:
+    """On 128 tokens the recompute forms a quarter of the products: each head's max
+    is at most the max over every product, the module's within SAMPLED_ERROR of it."""
+    tokens = 128
+    torch.manual_seed(0)
+    if name == "tiny":
+        model: nn.Module = TinyTransformer(width=64, depth=2, heads=4, context=tokens)
+        scale = 1 / math.sqrt(16)
+    else:
+        model = llama("sdpa", context=tokens)
+        scale = model.model.layers[0].self_attn.scaling
+    ids = torch.randint(0, 64, (4, tokens))
+    inputs = {"idx": ids} if name == "tiny" else {"input_ids": ids}
+    scores = Scores(scale)
+    with torch.no_grad(), scores:
+        model(**inputs)
+    want = [per_head(s) for s in scores.logits]
+    got = logged_heads(model, inputs, tmp_path)
+    assert len(got) == len(want) == 2
+    assert len(probes.logit_sample(torch.zeros(tokens, 1), torch.zeros(tokens, 1))) == 2  # sampled
+    for g, w in zip(got, want, strict=True):
+        assert all(a <= b * (1 + 1e-6) for a, b in zip(g, w, strict=True))
+        assert max(g) >= (1 - SAMPLED_ERROR) * max(w)
 
 
 def test_gemma2_heads_are_soft_capped_as_the_model_caps_them(tmp_path: Path) -> None:

@@ -222,3 +222,25 @@ def test_swin_at_init_has_no_attention_logit_finding(tmp_path: Path) -> None:
     found = diagnose(model, x)
     assert found.checks["attention-logits"] == "ok"
     assert "attention-logits" not in found.codes
+
+
+def test_sampled_logit_max_is_below_the_exact_one_and_finds_a_sink_and_a_large_query() -> None:
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 128, 16), torch.randn(2, 4, 128, 16)
+    with torch.no_grad():
+        k[0, 1, 5] = 50.0 * q[0, 1, 70] / q[0, 1, 70].norm()  # a sink key: the max of head 1
+        q[1, 2, 100] *= 30.0  # a query 30x larger: the max of head 2
+    exact = (q @ k.transpose(-1, -2)).abs().amax(dim=(0, 2, 3)) / 4
+    assert len(probes.logit_sample(q, k)) == 2  # sampled: a quarter of the products
+    got = probes.sdpa_logit_max(q, k)
+    assert (got <= exact).all()
+    torch.testing.assert_close(got[1:3], exact[1:3])
+    assert exact[1] > 4 * exact[0] and exact[2] > 4 * exact[0]
+    # grouped-query: 2 key heads serve 4 query heads; the sample reads the same heads' maxima
+    k2 = k[:, ::2].clone()
+    with torch.no_grad():
+        k2[0, 0, 5] = 50.0 * q[0, 1, 70] / q[0, 1, 70].norm()  # serves query heads 0 and 1
+    exact = (q @ k2.repeat_interleave(2, dim=1).transpose(-1, -2)).abs().amax(dim=(0, 2, 3)) / 4
+    got = probes.sdpa_logit_max(q, k2)
+    assert (got <= exact).all()
+    torch.testing.assert_close(got[1:3], exact[1:3])

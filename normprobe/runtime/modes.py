@@ -77,7 +77,8 @@ class AttentionLogits(TorchFunctionMode):
     factors applied after that, and read when a softmax takes it. What the model computes from
     the logits alone before that (soft-capping, clamping, nan_to_num, casts) is part of forming
     them. Fused attention: from q and k (`probes.sdpa_logit_max`); ``nn.MultiheadAttention``:
-    from its input and in-projection weights (`probes.mha_logit_max`).
+    from its input and in-projection weights (`probes.mha_logit_max`); both over a sample of
+    the products (`probes.logit_sample`).
     """
 
     def __init__(self, actions: Sequence[Callable[[torch.Tensor], None]], heads: int) -> None:
