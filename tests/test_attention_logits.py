@@ -226,7 +226,7 @@ def test_swin_at_init_has_no_attention_logit_finding(tmp_path: Path) -> None:
 
 def test_sampled_logit_max_is_below_the_exact_one_and_finds_a_sink_and_a_large_query() -> None:
     torch.manual_seed(0)
-    q, k = torch.randn(2, 4, 128, 16), torch.randn(2, 4, 128, 16)
+    q, k = torch.randn(2, 4, 512, 16), torch.randn(2, 4, 512, 16)
     with torch.no_grad():
         k[0, 1, 5] = 50.0 * q[0, 1, 70] / q[0, 1, 70].norm()  # a sink key: the max of head 1
         q[1, 2, 100] *= 30.0  # a query 30x larger: the max of head 2
@@ -244,3 +244,10 @@ def test_sampled_logit_max_is_below_the_exact_one_and_finds_a_sink_and_a_large_q
     got = probes.sdpa_logit_max(q, k2)
     assert (got <= exact).all()
     torch.testing.assert_close(got[1:3], exact[1:3])
+
+
+def test_sequences_up_to_128_tokens_are_formed_whole() -> None:
+    q, k = torch.randn(1, 2, 128, 8), torch.randn(1, 2, 128, 8)
+    [(query, key)] = probes.logit_sample(q, k)
+    assert query is q and key is k
+    assert len(probes.logit_sample(torch.randn(1, 2, 256, 8), torch.randn(1, 2, 256, 8))) == 2

@@ -33,7 +33,7 @@ class AttnLogits(Family):
         "per attention module, max |q.k| * scale as the model forms it from q and k "
         "(soft-capping included, masks and biases left out: every product counts), also when "
         "attention is fused (scaled_dot_product_attention) or an nn.MultiheadAttention; those "
-        "two recompute q.k for a sample: every product of sequences up to 32 tokens, else of "
+        "two recompute q.k for a sample: every product of sequences up to 128 tokens, else of "
         "1 query in 8 (those whose logits can be largest) with every key and of every query "
         "with 1 key in 8 (those farthest from the mean key): a lower bound, within "
         f"{SAMPLED_ERROR:.0%} of the exact max on the models measured"
