@@ -1,22 +1,38 @@
 """What the probe costs a training step, against a bare step and the hooks people write today.
 
-    python benchmarks/overhead.py [--rounds 7] [--steps 10] [--device cuda] [--bf16]
+    python benchmarks/overhead.py [--rounds 7] [--steps 8] [--case mlp gpt2 stack] [--families]
+                                  [--device cuda] [--bf16]
 
-For each model, every variant trains its own copy of the same weights; the variants take turns
-(interleaved rounds, in one process) so that machine noise hits them alike. Prints the median
-time per step and its ratio to the bare step.
+Every variant trains its own copy of the same weights; the variants take turns (interleaved
+rounds in a shuffled order, in one process) so that machine noise hits them alike. On a CPU a
+step is timed in process CPU time (``time.process_time``: every thread of this process, not the
+other jobs of a shared machine); on CUDA in wall time, synchronized. Prints the median time
+per step over the rounds and its ratio to the bare step.
+
+Cases (the targets of the overhead goals, see the README):
+  mlp    12 Pre-LN feed-forward blocks, width 256 (hidden 1024), batch 64, 1 torch thread
+  gpt2   the GPT-2-style TinyTransformer, 12 blocks, width 256, 8x128 tokens, 2 torch threads
+  stack  the 48-block ResidualStack of sanity check [d], width 64, batch 16, 1 torch thread
 
 Variants:
-  bare           the training step alone
-  every=50       normprobe.attach(..., every=50), all metrics, the spike detector on (the
-                 default; the loop hands it the loss with probe.observe_loss)
-  no spikes      the same with spikes=None
-  every=1        normprobe.attach(..., every=1), all metrics on every step
-  every=50 avg   every=50 with its logged step spread over the 50 steps: every=50 + (every=1 -
-                 every=50) / 50 (derived: the median of the rounds leaves out the rare round
-                 that holds a logged step, so every=50 alone is what an unlogged step costs)
-  naive hooks    a forward hook on every module logging the output RMS with .item()
-  lightning      lightning's grad_norm() utility every step, values logged as floats
+  bare             the training step alone
+  every=50         normprobe.attach(..., every=50) with the defaults: every metric, the spike
+                   detector on (the loop hands it the loss with probe.observe_loss), TensorBoard
+  every=50 exact   the same with a spike detector that reads every gradient entry
+                   (Spikes(sample=None): misses nothing)
+  no spikes        every=50 with spikes=None
+  every=1          every metric logged every step into TensorBoard (scalars, histograms, the
+                   flags judged every 10th step); the heatmaps are drawn at removal only: on
+                   their own thread, held to 1% of the wall time, they would otherwise land on
+                   whichever variant is being timed when they are drawn
+  every=1 memory   the same into a MemorySink alone (no TensorBoard)
+  naive hooks      a forward hook on every module logging the output RMS with .item()
+  lightning        Lightning's grad_norm() every step, values logged as floats
+  -<family>        (--families) every=1 into a MemorySink without that family: its
+                   cost is what leaving it out saves
+
+The every=50 rows are the median round: a round of 8 steps rarely holds the one logged step in
+50, so they read what an unlogged step costs.
 
 On CUDA it also counts the host syncs of each step of a probe logging every 3rd step, with
 ``torch.cuda.set_sync_debug_mode``: one (the transfer) on a logged step, none otherwise.
@@ -26,42 +42,81 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
+import random
 import statistics
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 import normprobe
-from normprobe.models import ResidualStack, TinyTransformer
+from normprobe.models import MLPStack, ResidualStack, TinyTransformer
 
 Step = Callable[[], None]
+Loss = Callable[[nn.Module], torch.Tensor]
 BF16 = False  # forward under bf16 autocast (--bf16)
 
 
-def _trainer(model: nn.Module, batch: torch.Tensor, loss: Callable[[nn.Module], Any]) -> Step:
+@dataclass
+class Case:
+    title: str
+    make: Callable[[], nn.Module]
+    loss: Loss
+    threads: int
+
+
+def cases(device: torch.device) -> dict[str, Case]:
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 96, (8, 128), device=device)
+    rows = torch.randn(64, 256, device=device)
+    stack_rows = torch.randn(16, 64, device=device)
+    return {
+        "mlp": Case(
+            "MLPStack: 12 Pre-LN blocks, width 256, hidden 1024, batch 64, 1 thread",
+            MLPStack,
+            lambda m: m(rows).pow(2).mean(),
+            1,
+        ),
+        "gpt2": Case(
+            "GPT-2-style TinyTransformer: 12 blocks, width 256, 8x128 tokens, 2 threads",
+            lambda: TinyTransformer(width=256, depth=12, context=128),
+            lambda m: m.loss(tokens, tokens),  # type: ignore[operator]
+            2,
+        ),
+        "stack": Case(
+            "ResidualStack: 48 blocks, width 64, batch 16, 1 thread",
+            lambda: ResidualStack(48, 64),
+            lambda m: m(stack_rows).pow(2).mean(),
+            1,
+        ),
+    }
+
+
+def _trainer(model: nn.Module, loss: Loss, **attach: Any) -> Step:
+    """One AdamW step of ``model``; with ``attach`` arguments, under a probe handed the loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    probe: list[normprobe.Probe] = []  # the probe a variant attaches, handed the loss
+    probe = normprobe.attach(model, opt, **attach) if attach else None
+    device = next(model.parameters()).device.type
 
     def step() -> None:
-        with torch.autocast(batch.device.type, torch.bfloat16, enabled=BF16):
+        with torch.autocast(device, torch.bfloat16, enabled=BF16):
             value = loss(model)
-        for p in probe:
-            p.observe_loss(value)
+        if probe is not None:
+            probe.observe_loss(value)
         value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step.opt = opt  # type: ignore[attr-defined]
-    step.probe = probe  # type: ignore[attr-defined]
     return step
 
 
-def _naive_hooks(model: nn.Module) -> dict[str, float]:
+def _naive_hooks(model: nn.Module) -> nn.Module:
     logged: dict[str, float] = {}
     for name, module in model.named_modules():
 
@@ -70,75 +125,83 @@ def _naive_hooks(model: nn.Module) -> dict[str, float]:
                 logged[name] = out.detach().float().pow(2).mean().sqrt().item()
 
         module.register_forward_hook(hook)
-    return logged
+    return model
 
 
-def variants(
-    make: Callable[[], nn.Module], batch: torch.Tensor, loss: Callable[[nn.Module], Any]
-) -> dict[str, Step]:
+def _lightning(model: nn.Module, loss: Loss) -> Step:
     from lightning.pytorch.utilities import grad_norm
 
-    base = make().to(batch.device)
-    out: dict[str, Step] = {}
-    out["bare"] = _trainer(copy.deepcopy(base), batch, loss)
-    for name, every, spikes in (
-        ("every=50", 50, normprobe.Spikes()),
-        ("no spikes", 50, None),
-        ("every=1", 1, normprobe.Spikes()),
-    ):
-        model = copy.deepcopy(base)
-        step = _trainer(model, batch, loss)
-        log_dir = tempfile.mkdtemp(prefix="normprobe-bench-")
-        opt = step.opt  # type: ignore[attr-defined]
-        probe = normprobe.attach(model, opt, log_dir=log_dir, every=every, spikes=spikes)
-        step.probe.append(probe)  # type: ignore[attr-defined]
-        out[name] = step
-    naive = copy.deepcopy(base)
-    _naive_hooks(naive)
-    out["naive hooks"] = _trainer(naive, batch, loss)
-    lit = copy.deepcopy(base)
-    opt = torch.optim.AdamW(lit.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    device = next(model.parameters()).device.type
 
-    def lightning_step() -> None:
-        with torch.autocast(batch.device.type, torch.bfloat16, enabled=BF16):
-            value = loss(lit)
+    def step() -> None:
+        with torch.autocast(device, torch.bfloat16, enabled=BF16):
+            value = loss(model)
         value.backward()
-        logged = {k: float(v) for k, v in grad_norm(lit, norm_type=2).items()}
+        logged = {k: float(v) for k, v in grad_norm(model, norm_type=2).items()}
         assert logged
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    out["lightning"] = lightning_step
+    return step
+
+
+def _log_dir() -> str:
+    return tempfile.mkdtemp(prefix="normprobe-bench-")
+
+
+def variants(case: Case, device: torch.device, families: bool) -> dict[str, Step]:
+    base = case.make().to(device)
+
+    def fresh() -> nn.Module:
+        return copy.deepcopy(base)
+
+    exact = normprobe.Spikes(sample=None)
+    out: dict[str, Step] = {"bare": _trainer(fresh(), case.loss)}
+    out["every=50"] = _trainer(fresh(), case.loss, every=50, log_dir=_log_dir())
+    out["every=50 exact"] = _trainer(fresh(), case.loss, every=50, log_dir=_log_dir(), spikes=exact)
+    out["no spikes"] = _trainer(fresh(), case.loss, every=50, log_dir=_log_dir(), spikes=None)
+    # heatmaps at removal only: drawn on a thread of their own within 1% of the wall time, they
+    # would land on whichever variant is being timed when they are drawn
+    no_drawing = normprobe.TensorBoardSink(log_dir=_log_dir(), heatmap_seconds=math.inf)
+    out["every=1"] = _trainer(fresh(), case.loss, every=1, sinks=[no_drawing])
+    out["every=1 memory"] = _trainer(fresh(), case.loss, every=1, sinks=[normprobe.MemorySink()])
+    if families:
+        every = [name for name in normprobe.METRICS if name != "spikes"]
+        for left_out in every:
+            kept = [name for name in normprobe.METRICS if name != left_out]
+            sinks = [normprobe.MemorySink()]
+            out[f"-{left_out}"] = _trainer(fresh(), case.loss, every=1, sinks=sinks, metrics=kept)
+    out["naive hooks"] = _trainer(_naive_hooks(fresh()), case.loss)
+    out["lightning"] = _lightning(fresh(), case.loss)
     return out
 
 
-def measure(
-    steps: dict[str, Step], rounds: int, per_round: int, device: torch.device
-) -> dict[str, float]:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+def measure(steps: dict[str, Step], rounds: int, per_round: int, device: torch.device) -> dict:
+    """Median seconds per step of each variant: process CPU time on a CPU, wall time on CUDA."""
+    cuda = device.type == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for step in steps.values():  # warm-up, and lazy discovery on the first forward
-        for _ in range(2):
+        for _ in range(3):
             step()
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
+    turns = list(steps.items())
+    for r in range(rounds):
+        random.Random(r).shuffle(turns)  # no variant always runs after the same one
+        for name, step in turns:
             sync()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(per_round):
                 step()
             sync()
-            times[name].append((time.perf_counter() - start) / per_round)
+            times[name].append((clock() - start) / per_round)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def syncs_per_step(
-    make: Callable[[], nn.Module], batch: torch.Tensor, loss: Callable[[nn.Module], Any]
-) -> list[int]:
-    """Host syncs of steps 2..7 of a probe logging every 3rd step (CUDA only)."""
-    model = make().to(batch.device)
-    step = _trainer(model, batch, loss)
-    probe = normprobe.attach(model, step.opt, log_dir=tempfile.mkdtemp(), every=3)  # type: ignore[attr-defined]
-    step.probe.append(probe)  # type: ignore[attr-defined]
+def syncs_per_step(case: Case, device: torch.device) -> list[int]:
+    """Host syncs of steps 3..8 of a probe logging every 3rd step (CUDA only)."""
+    step = _trainer(case.make().to(device), case.loss, every=3, log_dir=_log_dir())
     for _ in range(2):  # discovery and the first logged step
         step()
     counts = []
@@ -158,40 +221,35 @@ def syncs_per_step(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=8, help="steps per round")
+    parser.add_argument("--case", nargs="+", default=["mlp", "gpt2", "stack"])
+    parser.add_argument("--families", action="store_true", help="what each family costs")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--bf16", action="store_true", help="forward under bf16 autocast")
     args = parser.parse_args()
     global BF16
     BF16 = args.bf16
     device = torch.device(args.device)
-    torch.manual_seed(0)
-    tokens = torch.randint(0, 96, (8, 128), device=device)
-    rows = torch.randn(1024, 64, device=device)
-    cases: dict[str, tuple[Callable[[], nn.Module], torch.Tensor, Callable[[nn.Module], Any]]] = {
-        "GPT-2-style, 12 blocks, width 256, 8x128 tokens": (
-            lambda: TinyTransformer(width=256, depth=12, context=128),
-            tokens,
-            lambda m: m.loss(tokens, tokens),
-        ),
-        "ResidualStack, 48 blocks, width 64, 1024 rows": (
-            lambda: ResidualStack(48, 64),
-            rows,
-            lambda m: m(rows).pow(2).mean(),
-        ),
-    }
-    print(f"{device}{' (bf16 autocast)' if BF16 else ''}")
-    for title, (make, batch, loss) in cases.items():
-        result = measure(variants(make, batch, loss), args.rounds, args.steps, device)
-        unlogged, logged = result["every=50"], result["every=1"]
-        result["every=50 avg"] = unlogged + (logged - unlogged) / 50
+    warnings.filterwarnings("ignore", message="normprobe: ")  # spikes of the first steps
+    every = cases(device)
+    unknown = [name for name in args.case if name not in every]
+    if unknown:
+        parser.error(f"unknown --case {unknown}: choose from {list(every)}")
+    clock = "wall time" if device.type == "cuda" else "process CPU time"
+    print(f"{device}{' (bf16 autocast)' if BF16 else ''}, {clock}, median of {args.rounds} rounds")
+    for name in args.case:
+        case = every[name]
+        if device.type == "cpu":
+            torch.set_num_threads(case.threads)
+        steps = variants(case, device, args.families)
+        result = measure(steps, args.rounds, args.steps, device)
         bare = result["bare"]
-        print(f"\n{title}")
-        print(f"  {'variant':<13} {'ms/step':>8} {'x bare':>7}")
-        for name, seconds in result.items():
-            print(f"  {name:<13} {seconds * 1e3:>8.2f} {seconds / bare:>7.3f}")
+        print(f"\n{case.title}")
+        print(f"  {'variant':<18} {'ms/step':>8} {'x bare':>7}")
+        for variant, seconds in result.items():
+            print(f"  {variant:<18} {seconds * 1e3:>8.2f} {seconds / bare:>7.3f}")
         if device.type == "cuda":
-            print(f"  host syncs, steps 2-7 (every=3): {syncs_per_step(make, batch, loss)}")
+            print(f"  host syncs, steps 3-8 (every=3): {syncs_per_step(case, device)}")
 
 
 if __name__ == "__main__":
