@@ -177,11 +177,9 @@ def test_of_several_forwards_in_a_step_the_last_counts(tmp_path: Path, poisoned:
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_nothing_is_watched_on_unlogged_steps_and_one_transfer_on_logged_ones(
-    tmp_path: Path, registered: list[int]
-) -> None:
-    model = Net()
-    model.sqrt.eps = 1.0
+def _six_steps(model: nn.Module, tmp_path: Path, registered: list[int]) -> tuple[list, list]:
+    """Six steps logging every 3rd with ``nonfinite`` alone: the gradient hooks registered and
+    the host syncs of each step."""
     hooks, syncs = [], []
     x = torch.randn(8, 16)
     with normprobe.attach(
@@ -195,6 +193,15 @@ def test_nothing_is_watched_on_unlogged_steps_and_one_transfer_on_logged_ones(
                 probe.step()
             hooks.append(registered[0])
             syncs.append(counter.count)
+    return hooks, syncs
+
+
+def test_nothing_is_watched_on_unlogged_steps_and_one_transfer_on_logged_ones(
+    tmp_path: Path, registered: list[int]
+) -> None:
+    model = Net()
+    model.sqrt.eps = 1.0
+    hooks, syncs = _six_steps(model, tmp_path, registered)
     assert syncs == [1, 0, 0, 1, 0, 0]
     # logged: the input and output tensors of the modules read (inp, the blocks, ln_f, head)
     assert hooks[0] == hooks[3] == 8 and hooks[1:3] == hooks[4:] == [0, 0]
@@ -206,19 +213,7 @@ def test_a_block_found_logs_the_next_step_and_reads_its_modules(
     tmp_path: Path, registered: list[int]
 ) -> None:
     model = Net()
-    hooks, syncs = [], []
-    x = torch.randn(8, 16)
-    with normprobe.attach(
-        model, log_dir=str(tmp_path), every=3, metrics=["nonfinite"], example_inputs=(x,)
-    ) as probe:
-        for _ in range(6):
-            registered[0] = 0
-            with CountSyncs() as counter:
-                model.zero_grad()
-                loss(model, x).backward()
-                probe.step()
-            hooks.append(registered[0])
-            syncs.append(counter.count)
+    hooks, syncs = _six_steps(model, tmp_path, registered)
     # step 0 reads its parameter gradients back too; step 1 is logged for block 2, whose
     # modules (the outputs of ln, fc1, act, fc2) are read from then on, as it stays first
     assert syncs == [2, 1, 0, 1, 0, 0]

@@ -132,9 +132,9 @@ def test_change_squares_exact_and_sampled() -> None:
     assert before[0].shape == (2, 2) and before[1].numel() == 70
     p[1], q[0] = 4.5, 1.0
     big += 1.0
-    change, old = by_shape.change_squares(params, strides, before)
+    change = by_shape.change_squares(params, strides, before)
     assert change.tolist() == pytest.approx([0.25, 1.0, 70 * 1.0])
-    assert old.tolist() == pytest.approx([25.0, 0.0, 70 * 4.0])
+    assert by_shape.copy_squares(before).tolist() == pytest.approx([25.0, 0.0, 70 * 4.0])
     # times the stride, the sample's sums are the whole tensor's: 210 entries
     weighted = change * torch.tensor([1.0, 1.0, 3.0])
     assert probes.group_sums(weighted, torch.tensor([0, 0, 1]), 2).tolist() == pytest.approx(
