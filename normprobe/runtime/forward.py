@@ -57,11 +57,13 @@ class Forwards:
             name_prefix=name_prefix,
         )
         plan.install(families)
-        self.armed.registrations = lambda: [
-            *plan.registrations(),
-            lambda: model.register_forward_hook(ProbeHook(root_post), always_call=True),
-        ]
-        self.armed.changed = self.hooks.reselected
+        self.armed.use(
+            lambda: [
+                *plan.registrations(),
+                lambda: model.register_forward_hook(ProbeHook(root_post), always_call=True),
+            ],
+            self.hooks.reselected,
+        )
         self.plan = plan
         return plan
 

@@ -212,18 +212,30 @@ class Hooks:
 
 class Armed:
     """The reading hooks: registered by `arm` (once; a no-op while armed, unless ``changed()``
-    says which hooks to register changed: then registered anew), removed by `disarm`."""
+    says which hooks to register changed: then made and registered anew), removed by
+    `disarm`. ``registrations()`` is called again only after such a change."""
 
     def __init__(self) -> None:
         self.registrations: Callable[[], list[Registration]] = list
         self.changed: Callable[[], bool] = lambda: False
         self.handles: list[RemovableHandle] = []
+        self._made: list[Registration] | None = None
+
+    def use(
+        self, registrations: Callable[[], list[Registration]], changed: Callable[[], bool]
+    ) -> None:
+        """Register what ``registrations()`` makes from now on, made anew when ``changed()``."""
+        self.disarm()
+        self.registrations, self.changed, self._made = registrations, changed, None
 
     def arm(self) -> None:
         if self.changed():
             self.disarm()
+            self._made = None
         if not self.handles:
-            self.handles = [register() for register in self.registrations()]
+            if self._made is None:
+                self._made = self.registrations()
+            self.handles = [register() for register in self._made]
 
     def disarm(self) -> None:
         for handle in self.handles:
