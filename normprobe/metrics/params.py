@@ -57,8 +57,9 @@ class WeightSample:
     """A copy of a sample of every block parameter, taken once per logged step just before the
     optimizer step (`take`); get it with ``WeightSample.of(plan)``.
 
-    `old_squares` estimates each tensor's sum of squares from it, `change_squares` the sum of
-    squares of what the step changed; `clear` drops the copy.
+    `old_squares` estimates each block's sum of squares from it, `change_squares` the sum of
+    squares of what the step changed (blocks numbered as `BlockParams` numbers them); `clear`
+    drops the copy.
     """
 
     def __init__(self, params: BlockParams) -> None:
@@ -87,23 +88,30 @@ class WeightSample:
             self._old = None
 
     def old_squares(self) -> torch.Tensor:
-        """Per tensor, the estimated sum of squares of the weights copied (float32)."""
+        """Per block, the estimated sum of squares of the weights copied (float32; made once
+        per copy, for every family that asks)."""
         if self._old is None:
-            squares = self._by_shape.copy_squares(self._before)
-            self._old = squares * self._stride_weights(squares.device)
+            self._old = self._per_block(self._by_shape.copy_squares(self._before))
         return self._old
 
     def change_squares(self) -> torch.Tensor | None:
-        """Per tensor, the estimated sum of squares of the change since `take` (float32), or
+        """Per block, the estimated sum of squares of the change since `take` (float32), or
         None when no copy was taken this step."""
         if not self._before:
             return None
-        change = self._by_shape.change_squares(self.params.params, self.strides, self._before)
-        return change * self._stride_weights(change.device)
+        return self._per_block(
+            self._by_shape.change_squares(self.params.params, self.strides, self._before)
+        )
 
     def clear(self) -> None:
         self._before = []
         self._old = None
+
+    def _per_block(self, per_tensor: torch.Tensor) -> torch.Tensor:
+        """Each block's sum of its tensors' sample sums, each scaled by `_stride_weights`."""
+        device = per_tensor.device
+        weighted = per_tensor * self._stride_weights(device)
+        return probes.group_sums(weighted, self.params.index(device), self.params.count)
 
     def _stride_weights(self, device: torch.device) -> torch.Tensor:
         """Each tensor's stride, times its shard's share of a sum over ranks (`shard_share`)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import statistics
 
-from .. import probes
 from .base import PROBLEM, Family, Flag, Out, Plan, Run, Series, Values
 from .params import SAMPLE_FRACTION, SAMPLE_MIN, BlockParams, WeightSample, write_root_ratios
 
@@ -44,9 +43,7 @@ class UpdateRatio(Family):
             change = sample.change_squares()
             if change is None:
                 return
-            index, count = params.index(change.device), params.count
-            change = probes.group_sums(change, index, count)
-            old = probes.group_sums(sample.old_squares(), index, count)
+            old = sample.old_squares()
             for stack, blocks in params.blocks.items():
                 plan.measured.put(change_slots[stack], change[blocks])
                 plan.measured.put(old_slots[stack], old[blocks])
@@ -56,7 +53,7 @@ class UpdateRatio(Family):
 
         plan.before_step(sample.take)
         plan.after_step(measure)
-        plan.on_clear(sample.clear)  # a step ended without an optimizer step: nothing to compare
+        plan.on_clear(sample.clear)  # the step is written (or dropped): its copy with it
         plan.on_record(record)
 
     def flags(self, run: Run) -> list[Flag]:

@@ -40,7 +40,7 @@ class WeightRms(Family):
                 numel = torch.tensor(sizes, dtype=torch.float32, device=device)
                 numels[device] = probes.group_sums(numel, index, params.count)
             sample.take()  # the copy update_ratio compares against, if it runs too
-            sums = probes.group_sums(sample.old_squares(), index, params.count)
+            sums = sample.old_squares()
             for stack, blocks in params.blocks.items():
                 plan.measured.put(squares[stack], sums[blocks])
                 plan.measured.put(counts[stack], numels[device][blocks])
