@@ -375,6 +375,12 @@ class _Recorder(TorchFunctionMode):
         """The module holding the first of these qualified parameter names."""
         return names[0].rpartition(".")[0] if names else None
 
+    def inputs(self, given: Any) -> None:
+        """The tensors in ``given`` are the model's inputs, whatever pre-hooks of the root make
+        of them (DeepSpeed ZeRO-3's hand the forward detached copies)."""
+        for _, t in iter_tensors(given):
+            self.node(t, act=True)
+
     # module hooks ----------------------------------------------------------------------------
     def _pre(self, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         g = self.g
@@ -622,6 +628,7 @@ def trace(
     rec.attach(model)
     try:
         with torch.no_grad(), scripted_functions_as_python(), rec:
+            rec.inputs((args, kwargs))
             model(*args, **kwargs)
     finally:
         rec.detach()

@@ -80,6 +80,26 @@ class Measured(Protocol):
         """``values[i]`` at absolute position ``positions[i]`` of the packed vector."""
 
 
+class Holdings(Protocol):
+    """Where this rank holds the parameters' gradients and weights: the tensors the families
+    read for a list of parameters (in its order), and each one's share of a sum over ranks.
+
+    By default a parameter's own ``.grad`` and the parameter; under DeepSpeed ZeRO the part
+    of each that the optimizer keeps on this rank (`normprobe.runtime.zero`).
+    """
+
+    partitioned: bool  # each rank holds a part of every parameter's gradient: sum over ranks
+
+    def grads(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The gradient of each parameter as this rank holds it (None: none here)."""
+
+    def weights(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The weights of each parameter as this rank holds them."""
+
+    def shares(self, params: Sequence[torch.Tensor]) -> list[float]:
+        """The weight of each of `weights` in a sum over ranks."""
+
+
 class Plan(Protocol):
     """What a family asks of the runtime when a probe is installed on a mapped model."""
 
@@ -89,6 +109,7 @@ class Plan(Protocol):
     norms: Sequence[NormLayer]  # the norm layers measured (at most max_block_tags per position)
     attention: Sequence[Attention]  # likewise for attention modules
     param_reduce: Reduce  # "mean", or "sum" when every rank holds a shard of the parameters
+    holdings: Holdings  # the tensors that hold the parameters' gradients and weights here
     compiled: bool  # the hooks stay registered and must not change a compiled graph
     measured: Measured
     # this step's sum of squared gradients of each block of `stacks()`, in order, when the spike

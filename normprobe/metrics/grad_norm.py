@@ -62,7 +62,7 @@ class GradNorm(Family):
                 squares = shared.clone()  # the spike detector's buffer is its own
             else:
                 device = params.params[0].device
-                grads = [p.grad for p in params.params]
+                grads = params.grads()
                 squares = probes.group_sums(
                     params.by_shape.squared_norms(grads, device), params.index(device), params.count
                 )

@@ -46,7 +46,8 @@ class NormGain(Family):
         def read() -> None:
             with torch.no_grad():
                 for g in groups.values():
-                    weights = [_weight(m) for m in g.modules]  # read now: FSDP swaps them
+                    # read now: FSDP swaps them
+                    weights = plan.holdings.weights([_weight(m) for m in g.modules])
                     if sharded:
                         stats = torch.stack([probes.gain_moments(w, g.offset) for w in weights])
                     else:

@@ -5,12 +5,13 @@ before the optimizer step that ``weight_rms`` and ``update_ratio`` share."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from .. import probes
-from .base import Out, Plan, Slot, Values
+from .base import Holdings, Out, Plan, Slot, Values
 
 # The weights before the step are kept whole up to SAMPLE_MIN entries per tensor; of larger
 # ones an evenly strided SAMPLE_FRACTION of the entries (`probes.sample_stride`), whose sum of
@@ -21,12 +22,30 @@ SAMPLE_FRACTION = 0.005
 SAMPLE_MIN = 4096
 
 
+class OwnTensors:
+    """The default `Holdings`: each parameter's ``.grad`` and the parameter itself, a DTensor's
+    local shard weighted by `probes.shard_share`."""
+
+    partitioned = False
+
+    def grads(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        return [p.grad for p in params]
+
+    def weights(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(params)
+
+    def shares(self, params: Sequence[torch.Tensor]) -> list[float]:
+        return [probes.shard_share(p) for p in params]
+
+
 class BlockParams:
     """The parameters of every block of the stacks with weights of their own, each with the
     index of its block over all those stacks; ``blocks[stack]`` is a stack's slice of that
-    numbering. Get it with ``BlockParams.of(plan)``."""
+    numbering. Their gradients and weights are read where the plan's `Holdings` keep them.
+    Get it with ``BlockParams.of(plan)``."""
 
     def __init__(self, plan: Plan) -> None:
+        self.holdings: Holdings = plan.holdings
         self.params: list[nn.Parameter] = []
         self.param_block: list[int] = []
         self.blocks: dict[str, slice] = {}
@@ -39,12 +58,21 @@ class BlockParams:
                 self.count += 1
             self.blocks[s.path] = slice(self.count - len(s.blocks), self.count)
         self._index: dict[torch.device, torch.Tensor] = {}
-        self.by_shape = probes.ByShape(self.params)
+        self.by_shape = probes.ByShape(self.weights())  # the gradients come in these shapes
 
     @staticmethod
     def of(plan: Plan) -> BlockParams:
         params: BlockParams = plan.shared("block_params", lambda: BlockParams(plan))
         return params
+
+    def grads(self) -> list[torch.Tensor | None]:
+        return self.holdings.grads(self.params)
+
+    def weights(self) -> list[torch.Tensor]:
+        return self.holdings.weights(self.params)
+
+    def shares(self) -> list[float]:
+        return self.holdings.shares(self.params)
 
     def index(self, device: torch.device) -> torch.Tensor:
         """The block of each parameter, as an int64 tensor on ``device`` (made once)."""
@@ -64,12 +92,13 @@ class WeightSample:
 
     def __init__(self, params: BlockParams) -> None:
         self.params = params
+        weights = params.weights()
         self.strides = [
-            probes.sample_stride(p.shape, max(SAMPLE_MIN, int(p.numel() * SAMPLE_FRACTION)))
-            for p in params.params
+            probes.sample_stride(w.shape, max(SAMPLE_MIN, int(w.numel() * SAMPLE_FRACTION)))
+            for w in weights
         ]
         # the tensors copied whole, a group of each shape at a time
-        self._by_shape = probes.ByShape(params.params, groupable=[s == 1 for s in self.strides])
+        self._by_shape = probes.ByShape(weights, groupable=[s == 1 for s in self.strides])
         self._before: list[torch.Tensor] = []
         self._old: torch.Tensor | None = None
         self._weights: dict[torch.device, torch.Tensor] = {}
@@ -84,7 +113,7 @@ class WeightSample:
     def take(self) -> None:
         """Copy the sample, unless this step's copy is already taken."""
         if not self._before:
-            self._before = self._by_shape.copies(self.params.params, self.strides)
+            self._before = self._by_shape.copies(self.params.weights(), self.strides)
             self._old = None
 
     def old_squares(self) -> torch.Tensor:
@@ -100,7 +129,7 @@ class WeightSample:
         if not self._before:
             return None
         return self._per_block(
-            self._by_shape.change_squares(self.params.params, self.strides, self._before)
+            self._by_shape.change_squares(self.params.weights(), self.strides, self._before)
         )
 
     def clear(self) -> None:
@@ -114,12 +143,10 @@ class WeightSample:
         return probes.group_sums(weighted, self.params.index(device), self.params.count)
 
     def _stride_weights(self, device: torch.device) -> torch.Tensor:
-        """Each tensor's stride, times its shard's share of a sum over ranks (`shard_share`)."""
+        """Each tensor's stride, times its share of a sum over ranks (`Holdings.shares`)."""
         if device not in self._weights:
-            weights = [
-                s * probes.shard_share(p)
-                for s, p in zip(self.strides, self.params.params, strict=True)
-            ]
+            shares = self.params.shares()
+            weights = [s * share for s, share in zip(self.strides, shares, strict=True)]
             self._weights[device] = torch.tensor(weights, dtype=torch.float32, device=device)
         return self._weights[device]
 

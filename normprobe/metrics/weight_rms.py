@@ -36,7 +36,8 @@ class WeightRms(Family):
             device = params.params[0].device
             index = params.index(device)
             if device not in numels:
-                sizes = [probes.local(p).numel() * probes.shard_share(p) for p in params.params]
+                held = zip(params.weights(), params.shares(), strict=True)
+                sizes = [probes.local(w).numel() * share for w, share in held]
                 numel = torch.tensor(sizes, dtype=torch.float32, device=device)
                 numels[device] = probes.group_sums(numel, index, params.count)
             sample.take()  # the copy update_ratio compares against, if it runs too

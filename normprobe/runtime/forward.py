@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from ..discovery import ModelMap
-from ..metrics.base import Family, Reduce
+from ..metrics.base import Family, Holdings, Reduce
 from .hooks import Armed, Hooks, ProbeHook
 from .modes import exit_modes
 from .packing import Measurements
@@ -41,6 +41,7 @@ class Forwards:
         *,
         max_block_tags: int,
         param_reduce: Reduce,
+        holdings: Holdings,
         name_prefix: str,
     ) -> ProbePlan:
         """Plan what ``families`` read on the mapped model (`ProbePlan`), and read it;
@@ -53,6 +54,7 @@ class Forwards:
             measured=self.measured,
             max_block_tags=max_block_tags,
             param_reduce=param_reduce,
+            holdings=holdings,
             compiled=self.persistent,
             name_prefix=name_prefix,
         )

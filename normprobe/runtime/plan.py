@@ -15,7 +15,17 @@ from torch import nn
 from .. import probes, tags
 from ..common import is_writer, spread
 from ..discovery import Attention, DiscoveryWarning, ModelMap, NormLayer, Stack
-from ..metrics.base import Family, GradientReader, Measured, Out, Reader, Reduce, Slot, Values
+from ..metrics.base import (
+    Family,
+    GradientReader,
+    Holdings,
+    Measured,
+    Out,
+    Reader,
+    Reduce,
+    Slot,
+    Values,
+)
 from ..sinks import Record
 from .hooks import Hooks, Read, Registration
 from .packing import Layout
@@ -53,6 +63,7 @@ class ProbePlan:
         measured: Measured,
         max_block_tags: int,
         param_reduce: Reduce,
+        holdings: Holdings,
         compiled: bool,
         name_prefix: str,
     ) -> None:
@@ -67,8 +78,10 @@ class ProbePlan:
         kept = tagged_paths([a.path for a in model_map.attention], max_block_tags)
         self.attention: Sequence[Attention] = [a for a in model_map.attention if a.path in kept]
         self._heads = {a.path: a.heads for a in model_map.attention}
-        # FSDP: each rank holds a shard of the parameters, whose statistics add up
-        sharded = param_reduce == "mean" and probes.is_sharded(model)
+        # FSDP and DeepSpeed ZeRO: each rank holds a shard of the parameters (or of their
+        # gradients), whose statistics add up
+        self.holdings = holdings
+        sharded = param_reduce == "mean" and (holdings.partitioned or probes.is_sharded(model))
         self.param_reduce: Reduce = "sum" if sharded else param_reduce
         self.compiled = compiled
         self.measured = measured

@@ -10,18 +10,21 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .. import tags
 from ..common import check_every, is_writer
 from ..discovery import DiscoveryWarning, ModelMap, discover
 from ..metrics import METRICS, chosen, family
 from ..metrics.base import Reduce
+from ..metrics.params import OwnTensors
 from ..sinks import Record, Sink
 from .forward import Forwards
 from .hooks import OptimizerSteps, ProbeHook
 from .packing import read_back
 from .plan import ProbePlan
 from .spikes import Spikes, SpikeWatch
+from .zero import Zero, ZeroSteps, warn_spikes, without_partitioned
 
 
 class Probe:
@@ -59,10 +62,16 @@ class Probe:
     ) -> None:
         _check_arguments(model, every, max_block_tags)
         self.model = model
+        self._zero = Zero.of(optimizer)  # DeepSpeed ZeRO: its gradients and step are its own
+        if self._zero is not None:
+            warn_spikes(self._zero.stage, spikes)
+            spikes = None
         self.optimizer = optimizer = unwrapped_optimizer(optimizer)
         self.sinks = list(sinks)
         self.every = every
         self.metrics = chosen(metrics)
+        if self._zero is None:
+            self.metrics = without_partitioned(model, self.metrics)
         self.max_block_tags = max_block_tags
         self.step_count = start_step
         self.phase = _phase % every
@@ -80,8 +89,14 @@ class Probe:
         self._validating = False
         self._removed = False
         self._forward_count = self._steps_ended = 0  # for the warning when nothing was logged
-        self._handles = [model.register_forward_pre_hook(ProbeHook(self._root_pre))]
-        if optimizer is not None:
+        self._handles: list[RemovableHandle | ZeroSteps] = [
+            model.register_forward_pre_hook(ProbeHook(self._root_pre))
+        ]
+        self._steps: OptimizerSteps | ZeroSteps
+        if self._zero is not None:
+            self._steps = self._zero.steps(self.before_optimizer_step, self._next_step)
+            self._handles += self._steps.handles
+        elif optimizer is not None:
             self._steps = OptimizerSteps(optimizer, self.before_optimizer_step, self._next_step)
             self._handles += self._steps.handles
 
@@ -114,6 +129,7 @@ class Probe:
             self._root_post,
             max_block_tags=self.max_block_tags,
             param_reduce=self._param_reduce,
+            holdings=self._zero or OwnTensors(),
             name_prefix=self.name_prefix,
         )
         self.model_map, self._plan = model_map, plan
