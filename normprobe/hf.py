@@ -130,6 +130,7 @@ class NormProbeCallback(TrainerCallback):
             max_block_tags=self.max_block_tags,
             start_step=state.global_step,
             spikes=self.spikes,
+            _zero_optimizer=kwargs.get("optimizer"),  # a DeepSpeed config's ZeRO optimizer
         )
         if self.example_inputs is not None or self.example_kwargs is not None:
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -187,7 +188,9 @@ class NormProbeCallback(TrainerCallback):
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.probe is not None:
+        # under DeepSpeed ZeRO the gradients were read when its step started (in the backward
+        # Accelerate runs): they are gone by now
+        if self.probe is not None and not self.probe.reads_zero_step:
             self.probe.before_optimizer_step()
 
     def on_step_end(

@@ -1,4 +1,5 @@
-"""NormProbe on DeepSpeed ZeRO: two CPU processes over gloo, run by tests/deepspeed_train.py.
+"""NormProbe on DeepSpeed ZeRO: two CPU processes over gloo, run by tests/deepspeed_train.py
+(the plain engine) and tests/deepspeed_hf_train.py (a Hugging Face Trainer).
 
 Stages 1 to 3 against stage 0 (same weights, same batches), two micro-batches a step and
 ``gradient_clipping`` far below the gradients' norm: the logged per-block gradient norms are
@@ -9,6 +10,7 @@ weight statistics those of the whole weights, although each rank holds a part of
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -120,6 +122,51 @@ def test_without_the_zero_optimizer_the_parameter_families_are_refused(
     assert "optimizer=engine.optimizer" in message
     assert ("stage 3" in message) == (stage == "3")
     assert ranks[1][stage]["unpaired"] == [["resid_rms"], []]  # rank 0 says it
+
+
+def test_hf_trainer_with_a_zero_3_config_logs_gradients_before_clipping(tmp_path: Path) -> None:
+    """The Trainer runs DeepSpeed's step inside Accelerate's backward, before it calls any
+    callback: the callback reads the gradients when the ZeRO optimizer's step starts."""
+    script = SCRIPT.with_name("deepspeed_hf_train.py")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path)],
+            cwd=tmp_path,
+            env={
+                **env,
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    for rank, proc in enumerate(procs):
+        try:
+            log, _ = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        assert proc.returncode == 0, f"rank {rank}:\n{log[-3000:]}"
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert seen[0]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+    assert seen[0]["logged"] == seen[1]["logged"]
+    assert sorted(seen[0]["logged"]) == ["1", "2", "3"]
+    for step, logged in seen[0]["logged"].items():
+        assert logged == pytest.approx(seen[0]["grads"][step], rel=1e-5)
+        # the Trainer's own total, before clipping: the blocks' part of it, 20x the clip
+        total = seen[0]["totals"][step]
+        assert total > 20 * 0.05 and total >= math.sqrt(sum(v * v for v in logged))
 
 
 def test_deepspeed_optimizers_without_zero_are_refused_by_name() -> None:

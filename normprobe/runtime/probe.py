@@ -40,8 +40,9 @@ class Probe:
     are logged like scheduled ones. Drivers that count steps themselves (the Lightning and
     Hugging Face callbacks) call `begin_step`, `before_optimizer_step` and `end_step`, and pass
     what only they know as the underscored arguments: how ranks combine parameter statistics
-    (``"sum"`` when each holds a shard), the step phase of their logging schedule, and a prefix
-    for module names.
+    (``"sum"`` when each holds a shard), the step phase of their logging schedule, a prefix
+    for module names, and their optimizer when it may be DeepSpeed's ZeRO (then gradients are
+    read when its step starts, and `before_optimizer_step` is theirs to skip).
     """
 
     def __init__(
@@ -59,10 +60,13 @@ class Probe:
         _param_reduce: Reduce = "mean",
         _phase: int = 0,
         _name_prefix: str = "",
+        _zero_optimizer: Any = None,
     ) -> None:
         _check_arguments(model, every, max_block_tags)
         self.model = model
-        self._zero = Zero.of(optimizer)  # DeepSpeed ZeRO: its gradients and step are its own
+        # DeepSpeed ZeRO: its gradients and step are its own (a driver that counts steps itself
+        # passes its optimizer as ``_zero_optimizer``: read when its step starts, no step counted)
+        self._zero = Zero.of(optimizer if optimizer is not None else _zero_optimizer)
         if self._zero is not None:
             warn_spikes(self._zero.stage, spikes)
             spikes = None
@@ -94,7 +98,8 @@ class Probe:
         ]
         self._steps: OptimizerSteps | ZeroSteps
         if self._zero is not None:
-            self._steps = self._zero.steps(self.before_optimizer_step, self._next_step)
+            after = self._next_step if optimizer is not None else None
+            self._steps = self._zero.steps(self.before_optimizer_step, after)
             self._handles += self._steps.handles
         elif optimizer is not None:
             self._steps = OptimizerSteps(optimizer, self.before_optimizer_step, self._next_step)
@@ -207,6 +212,12 @@ class Probe:
                 plan.run("before_step")
             finally:
                 plan.block_grad_squares = None
+
+    @property
+    def reads_zero_step(self) -> bool:
+        """Whether gradients are read when a DeepSpeed ZeRO optimizer's step starts (a
+        driver's `before_optimizer_step` would come after it)."""
+        return self._zero is not None
 
     def end_step(self, stepped: bool = True) -> None:
         """After the optimizer step: measure the update and write the step (if logged), and

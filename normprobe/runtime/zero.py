@@ -75,7 +75,7 @@ class Zero:
             "DeepSpeed config"
         )
 
-    def steps(self, before: Callable[[], None], after: Callable[[], None]) -> ZeroSteps:
+    def steps(self, before: Callable[[], None], after: Callable[[], None] | None) -> ZeroSteps:
         return ZeroSteps(self.optimizer, before, after)
 
     # Holdings ------------------------------------------------------------------------------------
@@ -192,7 +192,8 @@ def warn_spikes(stage: int, spikes: Spikes | None) -> None:
 
 
 class ZeroSteps:
-    """Calls ``before`` when the ZeRO optimizer's step starts and ``after`` when it returns.
+    """Calls ``before`` when the ZeRO optimizer's step starts and ``after`` (if any) when it
+    returns.
 
     A ZeRO optimizer is no ``torch.optim.Optimizer`` and has no step hooks, and the torch
     optimizer inside it steps after the gradients are clipped: its ``step`` is wrapped on the
@@ -201,7 +202,7 @@ class ZeroSteps:
     """
 
     def __init__(
-        self, optimizer: Any, before: Callable[[], None], after: Callable[[], None]
+        self, optimizer: Any, before: Callable[[], None], after: Callable[[], None] | None
     ) -> None:
         self.optimizer = optimizer
         self.active = True
@@ -211,7 +212,7 @@ class ZeroSteps:
             if self.active:
                 before()
             out = inner(*args, **kwargs)
-            if self.active:
+            if self.active and after is not None:
                 after()
             return out
 
