@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from .diagnose import add_cli as add_diagnose
+from .diagnose.cli import add_cli as add_diagnose
 from .report import add_cli as add_report
 
 

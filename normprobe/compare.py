@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .jsonout import json_number
 from .metrics import Flag
 from .metrics.run import problems
 from .report import (
     RunReport,
     flag_dict,
     format_number,
-    json_number,
     report,
     row_rank,
     runs_under,

@@ -48,7 +48,6 @@ the pictures; with ``--json`` the lines naming them go to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -61,6 +60,7 @@ from typing import Any, TextIO
 
 from . import plots, tags
 from .common import spread
+from .jsonout import dumps, json_number
 from .metrics import SERIES
 from .metrics.base import MODEL, Flag, Points, RunTag
 from .metrics.run import flag_lines, problems, run_flags, run_tags
@@ -258,11 +258,6 @@ class RunReport:
 
 
 # --- JSON --------------------------------------------------------------------------------------
-def json_number(value: float | None) -> float | None:
-    """``value`` as JSON takes it: None for NaN and ±Inf (strict JSON has no such numbers)."""
-    return value if value is not None and math.isfinite(value) else None
-
-
 def span_dict(steps: Sequence[int]) -> dict[str, int | None]:
     """``{"first", "last", "count"}`` of sorted steps (first and last None when empty)."""
     return {
@@ -292,11 +287,6 @@ def report_document(reports: Sequence[RunReport], skipped: Sequence[Path] = ()) 
         "runs": [r.to_dict() for r in reports],
         "skipped": [str(s) for s in skipped],
     }
-
-
-def dumps(document: dict[str, Any]) -> str:
-    """A ``--json`` document as text; strict JSON (a NaN left in it raises ValueError)."""
-    return json.dumps(document, indent=2, allow_nan=False)
 
 
 # --- reading -----------------------------------------------------------------------------------

@@ -452,3 +452,29 @@ def test_post_ln_without_deepnorm_init_says_it_needs_a_warmup() -> None:
     # the same stack with DeepNorm's initialization carries the fix
     torch.manual_seed(0)
     assert normprobe.diagnose(demo._deepnorm(corpus.vocab_size), (x,), loss_fn=loss).codes == []
+
+
+def test_each_check_is_one_file_holding_its_title_and_thresholds() -> None:
+    import pkgutil
+
+    from normprobe.diagnose import checks
+
+    files = {m.name for m in pkgutil.iter_modules(checks.__path__)} - {"base"}
+    registered = {c.run.__module__.rpartition(".")[2]: c for c in checks.REGISTRY}
+    assert set(registered) == files  # every check file is registered, once
+    for name, check in registered.items():
+        assert check.code.replace("-", "_") == name  # the file is named for the code
+        assert check.title and CHECKS[check.code] == check.title
+        module = sys.modules[check.run.__module__]
+        for constant, value in check.thresholds.items():
+            assert getattr(module, constant) == value  # declared in (or imported into) its file
+            assert isinstance(value, int | float) and math.isfinite(value)
+    structural = {c.code for c in checks.REGISTRY if not c.thresholds}
+    assert structural == {"no-final-norm", "eps-outside-sqrt"}
+
+
+def test_diagnose_runs_the_registered_checks_in_order() -> None:
+    from normprobe.diagnose.checks import REGISTRY
+
+    found = diagnose(ResidualStack(8, 32), torch.randn(4, 32))
+    assert list(found.checks) == [c.code for c in REGISTRY] == list(CHECKS)

@@ -17,7 +17,7 @@ from torch import nn
 
 from normprobe.cli import main
 from normprobe.diagnose import DiagnoseInputError, Diagnosis, diagnose
-from normprobe.diagnose_layers import JUMP_MIN, role
+from normprobe.diagnose.layers import JUMP_MIN, role
 from normprobe.models import TinyTransformer
 
 
