@@ -58,6 +58,8 @@ def register(target: Target) -> Callable[[Builder], Builder]:
     """Decorator registering ``fn`` as the builder of ``target``."""
 
     def add(fn: Builder) -> Builder:
+        if target in BUILDERS:
+            raise ValueError(f"target {target!r} already has a builder: {BUILDERS[target]}")
         BUILDERS[target] = fn
         return fn
 
