@@ -8,6 +8,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -29,6 +30,8 @@ from normprobe.surgery import (
     convert_norms,
     convert_norms_with_report,
 )
+from normprobe.surgery.builders import BUILDERS, NormSpec, create_norm
+from normprobe.surgery.targets import CLASS_NAMES
 
 # Two rows with zero mean. Mean squares: (1+1+4+4+9+9)/8 = 3.5 and (16+16+1+1)/8 = 4.25; after
 # adding 1 to every element they become 3.5 + 1 = 4.5 and 4.25 + 1 = 5.25 (the cross term is 0).
@@ -591,6 +594,23 @@ def test_a_model_without_norms_warns_and_stays_unchanged() -> None:
         model = convert_norms(z.model, "rmsnorm", example_inputs=z.args)
     assert model is z.model
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+# ------------------------------------------------------------------------------------------------
+# the builder registry
+
+
+def test_every_target_has_a_registered_builder() -> None:
+    """A name added to TARGETS without a builder in normprobe/surgery/builders.py fails here."""
+    assert sorted(BUILDERS) == sorted(TARGETS)
+    assert sorted(CLASS_NAMES) == sorted(TARGETS)  # how messages name it
+    spec = NormSpec((8,), (8,), 2, False, True, True, None, 0.5)
+    for target in TARGETS:
+        assert isinstance(create_norm(target, spec), nn.Module)
+    assert create_norm("layernorm", spec).eps == 1e-5  # torch's default when no eps is known
+    assert create_norm("rmsnorm", spec).eps is None  # RMSNorm's own: the dtype's epsilon
+    with pytest.raises(ValueError, match="no norm builder is registered for target 'nope'"):
+        create_norm(cast(Any, "nope"), spec)
 
 
 # ------------------------------------------------------------------------------------------------
