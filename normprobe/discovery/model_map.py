@@ -316,53 +316,7 @@ def render(m: ModelMap) -> str:
     """The compact table `print(model_map)` shows."""
     how = f"traced one forward in {m.trace_ms:.0f} ms" if m.traced else "not traced (no inputs)"
     lines = [f"ModelMap of {m.model_type}: {how}"]
-    lines.append(f"Stacks ({len(m.stacks)})")
-    rows: list[tuple[str, ...]] = []
-    if m.stacks:
-        for s in m.stacks:
-            adds = m.adds_in(s.path)
-            per_block = f"{len(adds) / s.depth:g}" if m.traced else "?"
-            place = s.placement + ("+qk-norm" if s.qk_norm else "")
-            rows.append((_name(s.path), str(s.depth), s.block_type, place, per_block))
-        lines += table(("path", "blocks", "block", "placement", "adds/block"), rows, ())
-    else:
-        lines.append("  (none)")
-    lines.append(f"Norms ({len(m.norms)}: {_counts(n.kind for n in m.norms)})")
-    if m.norms:
-        rows = [
-            (
-                _name(n.path),
-                n.kind,
-                n.role,
-                "x".join(map(str, n.dims)) + (" cf" if n.layout == "channels-first" else ""),
-                _eps(n),
-                _gain(n),
-                n.recognized_by,
-            )
-            for n in m.norms
-        ]
-        lines += table(("path", "kind", "role", "dims", "eps", "gain", "recognized by"), rows)
-    else:
-        lines.append("  (none)")
-    lines.append(f"Residual adds ({len(m.residual_adds)})")
-    if m.residual_adds:
-        rows = [
-            (
-                f"{_name(a.module)}#{a.ordinal}" + (f"@{a.call}" if a.call else ""),
-                a.kind
-                + (f" x{a.skip_scale:.3g}" if a.skip_scale != 1.0 else "")
-                + (f" x{a.skip_gain.rpartition('.')[2]}" if a.skip_gain else ""),
-                _name(a.branch_out),
-                str(len(a.branch_layers)),
-                f"{a.anchor.hook} {_name(a.anchor.module)}" if a.anchor else "-",
-            )
-            for a in m.residual_adds
-        ]
-        lines += table(("add", "kind", "branch out", "layers", "read at"), rows, (0, 2, 4))
-    elif m.traced:
-        lines.append("  (none)")
-    else:
-        lines.append("  (unknown: pass example inputs to discover)")
+    lines += _stack_lines(m) + _norm_lines(m) + _add_lines(m)
     if m.attention:
         lines.append(f"Attention ({len(m.attention)})")
         rows = [(_name(a.path), a.impl, str(a.heads)) for a in m.attention]
@@ -374,6 +328,57 @@ def render(m: ModelMap) -> str:
         for d in m.doubts
     ]
     return "\n".join(lines)
+
+
+def _stack_lines(m: ModelMap) -> list[str]:
+    lines = [f"Stacks ({len(m.stacks)})"]
+    if not m.stacks:
+        return [*lines, "  (none)"]
+    rows: list[tuple[str, ...]] = []
+    for s in m.stacks:
+        adds = m.adds_in(s.path)
+        per_block = f"{len(adds) / s.depth:g}" if m.traced else "?"
+        place = s.placement + ("+qk-norm" if s.qk_norm else "")
+        rows.append((_name(s.path), str(s.depth), s.block_type, place, per_block))
+    return lines + table(("path", "blocks", "block", "placement", "adds/block"), rows, ())
+
+
+def _norm_lines(m: ModelMap) -> list[str]:
+    lines = [f"Norms ({len(m.norms)}: {_counts(n.kind for n in m.norms)})"]
+    if not m.norms:
+        return [*lines, "  (none)"]
+    rows = [
+        (
+            _name(n.path),
+            n.kind,
+            n.role,
+            "x".join(map(str, n.dims)) + (" cf" if n.layout == "channels-first" else ""),
+            _eps(n),
+            _gain(n),
+            n.recognized_by,
+        )
+        for n in m.norms
+    ]
+    return lines + table(("path", "kind", "role", "dims", "eps", "gain", "recognized by"), rows)
+
+
+def _add_lines(m: ModelMap) -> list[str]:
+    lines = [f"Residual adds ({len(m.residual_adds)})"]
+    if not m.residual_adds:
+        return [*lines, "  (none)" if m.traced else "  (unknown: pass example inputs to discover)"]
+    rows = [
+        (
+            f"{_name(a.module)}#{a.ordinal}" + (f"@{a.call}" if a.call else ""),
+            a.kind
+            + (f" x{a.skip_scale:.3g}" if a.skip_scale != 1.0 else "")
+            + (f" x{a.skip_gain.rpartition('.')[2]}" if a.skip_gain else ""),
+            _name(a.branch_out),
+            str(len(a.branch_layers)),
+            f"{a.anchor.hook} {_name(a.anchor.module)}" if a.anchor else "-",
+        )
+        for a in m.residual_adds
+    ]
+    return lines + table(("add", "kind", "branch out", "layers", "read at"), rows, (0, 2, 4))
 
 
 def _counts(items: Iterable[str]) -> str:

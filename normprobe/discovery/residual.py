@@ -423,14 +423,22 @@ class _Walk:
                 w.open_path = True
             if mode != "gate" or g.alias[n] in self.streams:
                 return set()
-        if g.weight[n]:
-            if mode == "gate":
-                w.gates.append(n)
-                return set()
-            w.writers.append(n)
-            result = {n} if mode == "value" and not self._routed_input(n) else set()
-            self.seen[key] = result
-            return result
+        found = self._weight_op(n, mode) if g.weight[n] else self._through(n, mode)
+        self.seen[key] = found
+        return found
+
+    def _weight_op(self, n: int, mode: str) -> set[int]:
+        """A weight op met in ``mode``: a gate, or a writer (ungated unless routed)."""
+        if mode == "gate":
+            self.writes.gates.append(n)
+            return set()
+        self.writes.writers.append(n)
+        return {n} if mode == "value" and not self._routed_input(n) else set()
+
+    def _through(self, n: int, mode: str) -> set[int]:
+        """The ungated writers behind a weightless op: a gated product, a sum of two branches,
+        a layer scale or any other op, walked on into its activation inputs."""
+        g, w = self.g, self.writes
         acts = [i for i in g.inputs[n] if g.act[i] and g.floating[i]]  # not index tensors
         found: set[int] = set()
         if g.op[n] in SCALE_OPS and len(acts) == 2 and mode != "gate":
@@ -448,7 +456,6 @@ class _Walk:
                 w.scales.append(n)
             for i in acts:
                 found |= self.visit(i, mode)
-        self.seen[key] = found
         return found
 
     def _routed_input(self, writer: int) -> bool:

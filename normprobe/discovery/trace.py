@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -281,6 +281,19 @@ class Graph:
         return None if c is None else self.calls[c].path
 
 
+class _Op(NamedTuple):
+    """What one intercepted op makes of its inputs (`_Recorder._classify`)."""
+
+    act_in: tuple[int, ...]  # the activations it reads
+    act: bool  # its outputs are activations
+    param_const: bool  # its outputs are computed from parameters alone
+    uses_param: bool  # it applies parameters to an activation
+    owner: str | None  # the module whose weight it applies
+    sources: tuple[str, ...]  # the parameters it reads, by name
+    weight: tuple[str, ...]  # the weights it applies, by name
+    weight_shapes: tuple[tuple[int, ...], ...]  # their shapes (matrices and up)
+
+
 class _Recorder(TorchFunctionMode):
     def __init__(
         self,
@@ -465,14 +478,13 @@ class _Recorder(TorchFunctionMode):
         # Inputs are resolved before the call: an in-place op rebinds its tensor to a new node.
         in_tensors = [t for _, t in iter_tensors((args, kwargs))]
         in_nodes = [self.node(t) for t in in_tensors]
-        add_operands = (
-            (in_nodes[0], in_nodes[1])
-            if name in ADD_OPS
+        is_add = (
+            name in ADD_OPS
             and len(args) >= 2
             and isinstance(args[0], torch.Tensor)
             and isinstance(args[1], torch.Tensor)
-            else None
         )
+        add_operands = (in_nodes[0], in_nodes[1]) if is_add else None
         out = func(*args, **kwargs)
         outs = (
             [in_tensors[0]]
@@ -481,6 +493,27 @@ class _Recorder(TorchFunctionMode):
         )
         if not outs:
             return out
+        op = self._classify(name, args, kwargs, in_nodes)
+        for t in outs:
+            self._record(t, name, op, (args, in_tensors, in_nodes), add_operands)
+        if add_operands is not None:
+            for cid in self.stack:
+                self.extent_adds[cid] = self.extent_adds.get(cid, 0) + 1
+        if op.act and in_tensors and outs[0] is in_tensors[0]:
+            self._write_through(in_tensors[0])
+        if name in SDPA_OPS:
+            self.g.sdpa_calls.append(self.stack[-1] if self.stack else None)
+            query = args[0] if args else kwargs.get("query")
+            self.g.sdpa_queries.append(
+                tuple(query.shape) if isinstance(query, torch.Tensor) else ()
+            )
+        return out
+
+    def _classify(
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], in_nodes: list[int]
+    ) -> _Op:
+        """What an op's outputs are: activations or parameter constants, and the weight layer
+        applying parameters to an activation."""
         g = self.g
         data_in = in_nodes[:1] if name in FIRST_ONLY_OPS else in_nodes
         act_in = tuple(n for n in data_in if g.act[n])
@@ -495,42 +528,47 @@ class _Recorder(TorchFunctionMode):
         else:
             act = bool(act_in)
         uses_param = act and bool(params)
-        param_const = not act and bool(params)
         sources = tuple(dict.fromkeys(q for n in params for q in g.param_src[n]))
         weight = self._weights(name, args, kwargs, params) if uses_param else ()
         owner = self._owner(weight or self._resolve(sources)) if uses_param else None
-        for t in outs:
-            n = self._new(
-                t,
-                name,
-                act_in,
-                act,
-                param_const,
-                uses_param,
-                owner,
-                sources,
-                weight,
-            )
-            if weight:
-                g.weight_shapes[n] = tuple(g.shape[p] for p in params if len(g.shape[p]) >= 2)
-            if act and in_nodes:
-                self._alias(n, name, args, in_tensors, in_nodes)
-            if add_operands is not None and act:
-                g.adds.append((n, *add_operands))
-                if self.stack:
-                    g.add_order[n] = self.extent_adds.get(self.stack[-1], 0)
-            elif name in SOFTMAX_OPS and act:
-                g.softmaxes.append(n)
-        if add_operands is not None:
-            for cid in self.stack:
-                self.extent_adds[cid] = self.extent_adds.get(cid, 0) + 1
-        if act and in_tensors and outs[0] is in_tensors[0]:
-            self._write_through(in_tensors[0])
-        if name in SDPA_OPS:
-            g.sdpa_calls.append(self.stack[-1] if self.stack else None)
-            query = args[0] if args else kwargs.get("query")
-            g.sdpa_queries.append(tuple(query.shape) if isinstance(query, torch.Tensor) else ())
-        return out
+        weight_shapes = tuple(g.shape[p] for p in params if len(g.shape[p]) >= 2)
+        return _Op(
+            act_in, act, not act and bool(params), uses_param, owner, sources, weight, weight_shapes
+        )
+
+    def _record(
+        self,
+        t: torch.Tensor,
+        name: str,
+        op: _Op,
+        inputs: tuple[tuple[Any, ...], list[torch.Tensor], list[int]],
+        add_operands: tuple[int, int] | None,
+    ) -> None:
+        """A node for output ``t`` of op ``name``; ``inputs``: the op's arguments, tensors and
+        their nodes."""
+        g = self.g
+        args, in_tensors, in_nodes = inputs
+        n = self._new(
+            t,
+            name,
+            op.act_in,
+            op.act,
+            op.param_const,
+            op.uses_param,
+            op.owner,
+            op.sources,
+            op.weight,
+        )
+        if op.weight:
+            g.weight_shapes[n] = op.weight_shapes
+        if op.act and in_nodes:
+            self._alias(n, name, args, in_tensors, in_nodes)
+        if add_operands is not None and op.act:
+            g.adds.append((n, *add_operands))
+            if self.stack:
+                g.add_order[n] = self.extent_adds.get(self.stack[-1], 0)
+        elif name in SOFTMAX_OPS and op.act:
+            g.softmaxes.append(n)
 
     def _write_through(self, view: torch.Tensor) -> None:
         """An in-place op wrote into a view: its base holds what was written too (DeepSeek-V2

@@ -1,0 +1,243 @@
+"""Which modules are norms: by torch class, by class name or by behaviour on the traced input,
+and one norm where a wrapper only applies its own gain and bias to a parameter-free one."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import norms as norm_rules
+from .model_map import EpsPlacement, NormKind, NormLayer
+from .scene import Scene, within
+from .trace import ADD_OPS, Graph
+
+_MUL_OPS = frozenset({"mul", "__mul__", "__rmul__", "mul_", "__imul__"})
+# Ops that keep a tensor's values and layout (but maybe not its dtype).
+_CAST_OPS = frozenset({"to", "float", "type", "type_as", "contiguous", "clone", "detach"})
+_GEMMA_GAIN = re.compile(r"^(Gemma\d*|RecurrentGemma|PaliGemma)RMSNorm$")
+# (class, eps, input shape) -> what the behaviour probe found
+ProbeCache = dict[tuple[type, float | None, tuple[int, ...]], norm_rules.Behaviour | None]
+
+
+def find_norms(scene: Scene) -> dict[str, NormLayer]:
+    """The norm layers by path, in ``named_modules()`` order, each with role ``other`` and no
+    block yet (`normprobe.discovery.roles` and the builder fill them in)."""
+    cache: ProbeCache = {}
+    found: dict[str, NormLayer] = {}
+    for path, m in scene.model.named_modules():
+        norm = _norm(scene, path, m, cache)
+        if norm is not None:
+            found[path] = norm
+    if scene.g is not None:
+        found = _fold_wrappers(scene, found)
+    return found
+
+
+def _norm(scene: Scene, path: str, m: nn.Module, cache: ProbeCache) -> NormLayer | None:
+    """The entry of the module at ``path`` if it is a norm, else None."""
+    kind = norm_rules.torch_kind(m)
+    named = norm_rules.name_match(m) if not norm_rules.has_param_children(m) else None
+    eps, eps_attr = norm_rules.eps_of(m)
+    exact_torch = type(m).__module__.startswith("torch.")
+    behaviour, probed = None, False
+    call = scene.first_call.get(path)
+    g = scene.g
+    if g is not None and call is not None and g.calls[call].inputs is not None:
+        args, kwargs = g.calls[call].inputs  # type: ignore[misc]
+        if not exact_torch or (kind is None and named is not None):
+            key = (type(m), eps, _shape(args, kwargs))
+            if key not in cache:
+                cache[key] = norm_rules.probe(m, args, kwargs, eps)
+            behaviour, probed = cache[key], True
+    tanh = norm_rules.tanh_replacement(m)
+    if kind is None and named is None and behaviour is None and tanh is None:
+        return None
+    kind, how = _recognized(scene, path, m, (kind, named, tanh), behaviour, probed)
+    return NormLayer(
+        path=path,
+        kind=kind,
+        role="other",
+        class_name=type(m).__name__,
+        dims=_dims(m, behaviour),
+        layout=behaviour.layout if behaviour else norm_rules.torch_layout(m),
+        affine=tuple(n for n, _ in m.named_parameters(recurse=False)),
+        eps=eps,
+        eps_attr=eps_attr,
+        eps_placement=_eps_placement(m, exact_torch, behaviour),
+        gain_offset=_gain_offset(m, behaviour),
+        recognized_by=how,
+    )
+
+
+def _recognized(
+    scene: Scene,
+    path: str,
+    m: nn.Module,
+    by: tuple[NormKind | None, str | None, str | None],
+    behaviour: norm_rules.Behaviour | None,
+    probed: bool,
+) -> tuple[NormKind, str]:
+    """The norm's kind and how it was recognized, from ``by``: its torch kind, the norm class
+    name it matched and the tanh replacement it is (each None when not)."""
+    kind, named, tanh = by
+    cls = type(m).__name__
+    if tanh is not None:
+        return "dyt", f"class name {tanh}"
+    if kind is not None:
+        if type(m).__module__.startswith("torch."):
+            return kind, f"torch class nn.{cls}"
+        base = next(c.__name__ for c in type(m).__mro__ if c.__module__.startswith("torch.nn"))
+        return kind, f"subclass of nn.{base}"
+    if named is not None:
+        how = f"class name {named}"
+        if behaviour is not None:
+            return behaviour.kind, how + "; kind by behaviour"
+        if probed:
+            scene.notes.append(
+                f"{path or '<root>'} ({cls}) is named like a norm but its output did "
+                "not behave like one on the example input (or it could not be run on "
+                "variations of it); listed as a norm anyway"
+            )
+            how += "; behaviour probe disagreed"
+        return norm_rules.kind_from_name(named), how
+    assert behaviour is not None
+    return behaviour.kind, f"behaviour ({behaviour.layout} statistics)"
+
+
+def _fold_wrappers(scene: Scene, found: dict[str, NormLayer]) -> dict[str, NormLayer]:
+    """One normalization is one norm: a parameter-free norm whose output its enclosing
+    modules only multiply by and add their own parameters to (``self.ln(x) * self.gamma``)
+    is listed once, as the outermost of them, with their gain and bias."""
+    modules = dict(scene.model.named_modules())
+    folded: dict[str, str] = {}  # wrapper -> the norm it wraps
+    for path in found:
+        if any(True for _ in modules[path].parameters()):
+            continue
+        outer = path
+        while outer and _wraps(scene, parent := outer.rpartition(".")[0], path, modules):
+            outer = parent
+        if outer != path:
+            folded[outer] = path
+    if not folded:
+        return found
+    for outer, inner in folded.items():
+        found[outer] = _wrapper_entry(scene, outer, inner, found[inner], modules[outer])
+    drop = set(folded.values()) | {p for p in found if any(within(p, o) for o in folded)}
+    drop -= set(folded)
+    return {p: found[p] for p in modules if p in found and p not in drop}
+
+
+def _wraps(scene: Scene, outer: str, norm: str, modules: dict[str, nn.Module]) -> bool:
+    """Whether all ``outer`` computes is the norm at ``norm`` on its input, times a gain
+    and plus a bias of its own: every parameter below it is its own, the norm reads its
+    input (through casts) and its output comes from the norm's (`_affine_chain`)."""
+    g = scene.graph
+    m = modules[outer]
+    own = {id(p) for p in m.parameters(recurse=False)}
+    if any(id(p) not in own for p in m.parameters()):
+        return False
+    if any(True for p, _ in m.named_buffers() if not within(f"{outer}.{p}", norm)):
+        return False  # a buffer could scale the output too (only parameters are seen)
+    cid = scene.first_call.get(outer)
+    if cid is None:
+        return False
+    call = g.calls[cid]
+    inner = [
+        c for c in g.calls if c.path == norm and call.first_node <= c.first_node < call.end_node
+    ]
+    if len(inner) != 1 or not (call.in_nodes and call.out_nodes and inner[0].out_nodes):
+        return False
+    if not inner[0].in_nodes or not _affine_chain(g, call.in_nodes[0], inner[0].in_nodes[0]):
+        return False
+    names = frozenset(f"{outer}.{n}" if outer else n for n, _ in m.named_parameters(recurse=False))
+    return _affine_chain(g, inner[0].out_nodes[0], call.out_nodes[0], names)
+
+
+def _wrapper_entry(
+    scene: Scene, outer: str, inner: str, norm: NormLayer, module: nn.Module
+) -> NormLayer:
+    """The norm's entry as the wrapper at ``outer`` presents it."""
+    affine = tuple(n for n, _ in module.named_parameters(recurse=False))
+    eps, eps_attr = norm_rules.eps_of(module)
+    rel = inner[len(outer) + 1 :] if outer else inner
+    if eps is None and norm.eps_attr is not None:
+        eps, eps_attr = norm.eps, f"{rel}.{norm.eps_attr}"
+    gain_offset = None
+    captured = scene.graph.calls[scene.first_call[outer]].inputs
+    if affine and captured is not None:
+        gain_offset = norm_rules.gain_offset(module, *captured)
+    return replace(
+        norm,
+        path=outer,
+        class_name=type(module).__name__,
+        affine=affine,
+        eps=eps,
+        eps_attr=eps_attr,
+        gain_offset=gain_offset,
+        recognized_by=f"{norm.recognized_by} at .{rel}, with its wrapper's "
+        + ("+".join(affine) if affine else "no parameters"),
+        wraps=inner,
+    )
+
+
+def _affine_chain(g: Graph, start: int, end: int, params: frozenset[str] = frozenset()) -> bool:
+    """Whether ``end`` is ``start`` through casts, then at most one product with a gain, then at
+    most one sum with a bias, each one of ``params`` (or a tensor computed from it alone, as
+    ``1 + gain``); never through a permute or reshape (the statistics would run over another
+    axis), a division or a difference."""
+    n = end
+    seen: dict[str, tuple[str, ...]] = {}  # "mul" / "add" -> the parameters it reads
+    while n != start:
+        inputs = g.inputs[n]
+        if len(inputs) != 1 or n < start:
+            return False
+        if g.op[n] not in _CAST_OPS:
+            role = "mul" if g.op[n] in _MUL_OPS else "add" if g.op[n] in ADD_OPS else None
+            read = g.param_src[n]
+            if role is None or not g.uses_param[n] or not read or set(read) - params:
+                return False
+            if role in seen or (role == "add" and "mul" in seen):  # one gain, then one bias
+                return False
+            if g.shape[n] != g.shape[inputs[0]]:
+                return False
+            seen[role] = read
+        n = inputs[0]
+    return all(len(read) == 1 for read in seen.values())
+
+
+def _dims(m: nn.Module, behaviour: norm_rules.Behaviour | None) -> tuple[int, ...]:
+    dims = norm_rules.torch_dims(m)
+    if dims:
+        return dims
+    if behaviour is not None and behaviour.dims:
+        return behaviour.dims
+    weight = getattr(m, "weight", None)
+    return tuple(weight.shape) if isinstance(weight, torch.Tensor) else ()
+
+
+def _gain_offset(m: nn.Module, behaviour: norm_rules.Behaviour | None) -> float | None:
+    if behaviour is not None:
+        return behaviour.gain_offset
+    if not any(True for _ in m.parameters(recurse=False)):
+        return None
+    named = [c.__name__ for c in type(m).__mro__]
+    return 1.0 if any(_GEMMA_GAIN.match(n) for n in named) else 0.0
+
+
+def _eps_placement(
+    m: nn.Module, exact_torch: bool, behaviour: norm_rules.Behaviour | None
+) -> EpsPlacement:
+    if exact_torch:
+        return "inside-sqrt"  # torch's norms all compute sqrt(var + eps)
+    if behaviour is not None:
+        return behaviour.eps_placement
+    return "inside-sqrt" if norm_rules.torch_kind(m) is not None else "unknown"
+
+
+def _shape(args: Any, kwargs: Any) -> tuple[int, ...]:
+    found = norm_rules._first_float_input(args, kwargs)
+    return tuple(found[1].shape) if found else ()
