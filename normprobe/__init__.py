@@ -1,6 +1,5 @@
 """normprobe: see and change the normalization, residual and initialization behaviour of a model."""
 
-from .compare import Comparison, compare_runs
 from .dashboard import dashboard_url
 from .diagnose import DiagnoseInputError, Diagnosis, Finding, diagnose
 from .discovery import (
@@ -28,7 +27,7 @@ from .metrics import Flag
 from .metrics.attn_logits_head import qk_clip_factors
 from .muparam import CoordTable, MupShape, coord_check, mup, mup_param_groups, mup_shapes
 from .reinit_report import ReinitReport, TensorInit
-from .report import RunReport, Trend, find_runs
+from .report import Comparison, RunReport, Trend, compare_runs, find_runs
 from .report import report as report_run
 from .runtime import METRICS, Probe, Spikes, attach, attached_probe
 from .sinks import MemorySink, Record, Sink, TensorBoardSink

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from .diagnose.cli import add_cli as add_diagnose
-from .report import add_cli as add_report
+from .report.cli import add_cli as add_report
 
 
 def main(argv: Sequence[str] | None = None) -> int:

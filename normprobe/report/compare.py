@@ -31,18 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .jsonout import json_number
-from .metrics import Flag
-from .metrics.run import problems
-from .report import (
-    RunReport,
-    flag_dict,
-    format_number,
-    report,
-    row_rank,
-    runs_under,
-    span_dict,
-)
+from ..jsonout import json_number
+from ..metrics import Flag
+from ..metrics.run import problems
+from .events import runs_under
+from .rows import format_number, row_rank
+from .summary import RunReport, flag_dict, report, span_dict
 
 # the ``schema`` of ``normprobe report RUN_A RUN_B --json``
 COMPARE_SCHEMA = "normprobe.compare/1"
