@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -75,6 +76,59 @@ class Watched:
         self.plan.select_modules(self.base.union(*read))
 
 
+class _OutputSums:
+    """The finite sum of each module's output on a logged forward, in the order the modules
+    ran (each module's first call); an output that is the residual stream other families read
+    (`Streams`) is summed from its row norms (non-finite where its sum is, or at an entry past
+    1e19, whose square overflows)."""
+
+    def __init__(self) -> None:
+        self.modules: list[int] = []  # the modules read, in the order they ran
+        self.sums: list[torch.Tensor] = []  # the finite sum of each one's output
+        self._seen: set[int] = set()
+        self._last: list[torch.Tensor] = []  # the output read last, and its sum
+        self._stream: list[torch.Tensor] = []  # the stream read last, and its row norms
+
+    def streamed(self, streams: Streams, stack: str, block: int, t: torch.Tensor) -> None:
+        reads = streams.reads[stack]
+        if reads:
+            self._stream[:] = [t, reads[-1].norms]
+
+    def read(self, index: int, out: Any) -> None:
+        if index in self._seen:
+            return
+        if isinstance(out, torch.Tensor):
+            if not out.is_floating_point():
+                return
+            total = self._sum(out)
+        else:
+            floats = [t for _, t in iter_tensors(out) if t.is_floating_point()]
+            if not floats:
+                return
+            total = probes.finite_sums(floats).sum()
+        self._seen.add(index)
+        self.modules.append(index)
+        self.sums.append(total)
+
+    def _sum(self, out: torch.Tensor) -> torch.Tensor:
+        # a module that returns what its last child returned (read just before): summed once
+        if self._last and self._last[0] is out:
+            return self._last[1]
+        if self._stream and _same(self._stream[0], out):
+            total = self._stream[1].sum()
+        else:
+            total = probes.finite_sum(out)
+        self._last[:] = [out, total]
+        return total
+
+    def clear(self) -> None:
+        self._seen.clear()
+        self._last.clear()
+        self._stream.clear()
+        self.modules.clear()
+        self.sums.clear()
+
+
 class NonFinite(Family):
     name = "nonfinite"
     description = (
@@ -96,71 +150,28 @@ class NonFinite(Family):
     def _plan_forward(self, plan: Plan, order: Ranks, watched: Watched) -> None:
         paths = list(plan.modules_in_order)
         slot = plan.slot(len(paths), "min")  # per module: its rank in execution order, or inf
-        seen: set[int] = set()
-        last: list[torch.Tensor] = []  # the output read last, and its sum
-        # the residual stream other families read last (`Streams`), and its row norms:
-        # non-finite where its sum is, or at an entry past 1e19, whose square overflows
-        stream: list[torch.Tensor] = []
-        read_modules: list[int] = []  # in the order they ran (each module's first call)
-        sums: list[torch.Tensor] = []  # the finite sum of each one's output
+        outputs = _OutputSums()
         warned = [False]
         streams: list[Streams | None] = []  # looked for at the first logged forward
 
-        def streamed(stack: str, block: int, t: torch.Tensor) -> None:
-            reads = streams[0].reads[stack] if streams[0] is not None else []
-            if reads:
-                stream[:] = [t, reads[-1].norms]
-
-        def read(index: int, out: Any) -> None:
-            if index in seen:
-                return
-            if isinstance(out, torch.Tensor):
-                if not out.is_floating_point():
-                    return
-                # a module that returns what its last child returned (read just before): summed
-                # once
-                if last and last[0] is out:
-                    total = last[1]
-                elif stream and _same(stream[0], out):
-                    total = stream[1].sum()
-                    last[:] = [out, total]
-                else:
-                    total = probes.finite_sum(out)
-                    last[:] = [out, total]
-            else:
-                floats = [t for _, t in iter_tensors(out) if t.is_floating_point()]
-                if not floats:
-                    return
-                total = probes.finite_sums(floats).sum()
-            seen.add(index)
-            read_modules.append(index)
-            sums.append(total)
-
         def publish() -> None:
-            if sums:
+            if outputs.sums:
                 # the i-th module read is the i-th to run: its rank if its output was not finite
-                values = torch.stack(_on_first_device(sums))
+                values = torch.stack(_on_first_device(outputs.sums))
                 ranks = torch.where(torch.isfinite(values), math.inf, _ranks(order, paths, values))
-                plan.measured.put_at([slot.offset + i for i in read_modules], ranks)
-
-        def clear() -> None:
-            seen.clear()
-            last.clear()
-            stream.clear()
-            read_modules.clear()
-            sums.clear()
+                plan.measured.put_at([slot.offset + i for i in outputs.modules], ranks)
 
         def start() -> None:
             if not streams:  # the families are planned: a block's stream is read if they asked
                 # (not on compiled models: their graph would have to compare storages)
                 streams.append(None if plan.compiled else plan.made("streams"))
                 if streams[0] is not None:
-                    streams[0].watchers.append(streamed)
-            clear()
+                    streams[0].watchers.append(partial(outputs.streamed, streams[0]))
+            outputs.clear()
 
         plan.at_forward_start(start)
         plan.at_flush(publish)
-        plan.on_clear(clear)
+        plan.on_clear(outputs.clear)
 
         def record(values: Values, out: Out) -> None:
             ranks = values.measured(slot)
@@ -180,7 +191,7 @@ class NonFinite(Family):
                     stacklevel=2,
                 )
 
-        plan.read_outputs(read)
+        plan.read_outputs(outputs.read)
         plan.on_record(record)
 
     def _plan_backward(self, plan: Plan, order: Ranks, watched: Watched) -> None:
