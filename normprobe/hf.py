@@ -66,16 +66,16 @@ class NormProbeCallback(TrainerCallback):
     ``on_log``). Without a TensorBoard reporter the event files go to
     ``<output_dir>/normprobe``. Only the main process writes.
 
-    Gradients are read once per optimizer step (after every accumulated micro-batch), just
-    before ``optimizer.step()``: that is after the Trainer clips them to ``max_grad_norm``,
-    because the Trainer calls no callback between the backward pass and clipping. Clipping
-    multiplies every gradient by one factor, so ``grad_ratio`` is unchanged; the per-block
-    ``grad_norm`` values are the clipped ones (``max_grad_norm=0`` logs them unclipped).
+    Gradients are read at the end of each backward through the model (the step's last
+    micro-batch counts: the accumulated gradients), before the Trainer clips them to
+    ``max_grad_norm``; the fp16 loss scale they carry there is divided out with the GradScaler
+    of the Trainer's optimizer. ``grad_norm_total`` is the Trainer's own logged ``grad_norm``;
+    ``grad_clip_factor`` compares it with the total at ``on_pre_optimizer_step``, after
+    clipping.
 
     The spike detector watches the loss the model returns (``outputs.loss``, what the Trainer
-    trains on when the batch has labels; the Trainer hands callbacks no loss) and the total
-    gradient norm, which is the clipped one: with ``max_grad_norm`` set, a gradient spike is
-    capped and mostly the loss shows it.
+    trains on when the batch has labels; the Trainer hands callbacks no loss) and the gradient
+    norms before clipping.
 
     Args:
         every: log every this many steps instead of the Trainer's ``logging_steps``.
@@ -120,6 +120,8 @@ class NormProbeCallback(TrainerCallback):
         if self.probe is not None:  # a second train() on the same Trainer
             self.probe.remove()
         self.every = self.every or int(state.logging_steps or args.logging_steps or 500)
+        # Accelerate's optimizer holds the GradScaler of fp16 training
+        scaler = getattr(kwargs.get("optimizer"), "scaler", None)
         self._first = bool(args.logging_first_step)
         sinks = self._sinks(args, state, control) if state.is_world_process_zero else []
         self.probe = Probe(
@@ -131,6 +133,7 @@ class NormProbeCallback(TrainerCallback):
             start_step=state.global_step,
             spikes=self.spikes,
             _zero_optimizer=kwargs.get("optimizer"),  # a DeepSpeed config's ZeRO optimizer
+            scaler=scaler,
         )
         if self.example_inputs is not None or self.example_kwargs is not None:
             device = next((p.device for p in model.parameters()), torch.device("cpu"))

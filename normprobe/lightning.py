@@ -187,6 +187,8 @@ class NormProbe(Callback):
             _param_reduce=_param_reduce(trainer.strategy),
             _phase=every - 1,  # Lightning logs step s when (s + 1) % every == 0
             _name_prefix=_prefix(trainer.lightning_module, module),
+            # on_before_optimizer_step sees the gradients unscaled and not yet clipped
+            _gradients_at="step",
         )
         self.probe.paused = trainer.sanity_checking
         was_training = target.training

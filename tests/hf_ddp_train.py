@@ -22,11 +22,12 @@ from normprobe.hf import NormProbeCallback
 
 
 class Witness(TrainerCallback):
-    """What this rank saw: its probe's sinks, and block 0's gradient norm before each step."""
+    """What this rank saw: its probe's sinks, and block 0's and the whole model's gradient norms
+    just before each optimizer step (after the Trainer clipped them)."""
 
     def __init__(self, probe: NormProbeCallback) -> None:
         self.probe = probe
-        self.seen: dict[str, Any] = {"grads": {}}
+        self.seen: dict[str, Any] = {"grads": {}, "totals": {}}
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         assert self.probe.probe is not None
@@ -34,10 +35,14 @@ class Witness(TrainerCallback):
         self.seen["writes"] = state.is_world_process_zero
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        block = kwargs["model"].transformer.h[0]
-        grads = [p.grad.detach().float() for p in block.parameters() if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        self.seen["grads"][str(state.global_step + 1)] = float(norm)
+        step = str(state.global_step + 1)
+        for key, module in (
+            ("grads", kwargs["model"].transformer.h[0]),
+            ("totals", kwargs["model"]),
+        ):
+            grads = [p.grad.detach().float() for p in module.parameters() if p.grad is not None]
+            norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+            self.seen[key][step] = float(torch.linalg.vector_norm(norms))
 
 
 def main() -> None:
@@ -55,6 +60,7 @@ def main() -> None:
         logging_steps=2,
         logging_first_step=True,
         per_device_train_batch_size=4,
+        max_grad_norm=0.1,  # clips every step
         report_to=["tensorboard"],
         use_cpu=True,
         save_strategy="no",

@@ -11,7 +11,7 @@ import torch
 
 import normprobe
 from normprobe import tags
-from normprobe.models import TinyTransformer
+from normprobe.models import MLPStack, TinyTransformer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -82,3 +82,15 @@ def test_surgery_and_reinit_keep_device_and_dtype() -> None:
     for p in model.parameters():
         assert p.is_cuda and p.dtype == torch.bfloat16
     assert torch.isfinite(model(x).float()).all()
+
+
+def test_gradients_before_clipping_carry_no_loss_scale() -> None:
+    """A GradScaler's scale, a device tensor, is divided out of the gradients read at the end
+    of the backward; the values are those computed by hand before clipping."""
+    from test_preclip import batches, check_clipped, clipped_loop
+
+    torch.manual_seed(0)
+    model = MLPStack(depth=3, width=16).cuda()
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12)
+    records, hand, totals = clipped_loop(model, [x.cuda() for x in batches(3)], scaler=scaler)
+    check_clipped(records, hand, totals, 3)

@@ -20,7 +20,8 @@ SCRIPT = Path(__file__).with_name("ddp_train.py")
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict]]:  # type: ignore[type-arg]
     out = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parent)}
+    path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     done = subprocess.run(
         [sys.executable, str(SCRIPT), str(out)],
         cwd=out,

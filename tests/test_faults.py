@@ -181,8 +181,9 @@ def test_without_a_with_block_the_probe_stays_and_training_can_go_on(
     if kind == "forward":
         # the failed forward put every step logged before it on disk
         assert_logged_up_to(read_events(str(tmp_path)), reference, 4)
-        # the root's always_call hook ran: only the probe's root hook (and the tripwire) stay
-        assert hook_count(model) == 2 and not _get_current_function_mode_stack()
+        # the root's always_call hook ran: only the probe's root hooks (the pre-hook, and the
+        # hook on its output that ends the backward) and the tripwire stay
+        assert hook_count(model) == 3 and not _get_current_function_mode_stack()
     else:
         # a KeyboardInterrupt skips even always_call hooks: the reading hooks and the
         # attention reader's function mode stay until the next forward starts
@@ -387,7 +388,8 @@ def test_a_copy_taken_mid_logged_step_and_after_surgery_runs_without_the_probe(
     opt.step()
     opt.zero_grad()
     twin, twin_opt = grab.copy["model"], grab.copy["opt"]
-    assert grab.armed > 20 and hook_count(model) == 1  # the copy was taken with hooks armed
+    # the copy was taken with hooks armed; the probe's root hooks stay between logged steps
+    assert grab.armed > 20 and hook_count(model) == 2
     assert isinstance(twin.blocks[0].ln_1, nn.RMSNorm) and only_inert_hooks(twin)
     assert attached_probe(twin) is None
     assert all(
@@ -447,7 +449,9 @@ def test_a_process_that_dies_of_an_uncaught_exception_leaves_its_steps_on_disk(
     at = 7
     script = tmp_path / "crash.py"
     script.write_text(CRASHING_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    here = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     logs = tmp_path / "logs"
     done = subprocess.run(
         [sys.executable, str(script), str(logs), str(at)],

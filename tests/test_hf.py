@@ -168,10 +168,13 @@ def test_attach_unwraps_an_accelerate_optimizer() -> None:
 
 def test_ddp_through_accelerate_launch(tmp_path: Path) -> None:
     """Two CPU processes (DDP over gloo) under `accelerate launch`: the main process alone
-    writes, on the Trainer's steps, the gradients both ranks hold after DDP averaged them."""
+    writes, on the Trainer's steps, the gradients both ranks hold after DDP averaged them and
+    before the Trainer clipped them (those at the optimizer step, times the Trainer's own total
+    before clipping over the total there)."""
     script = Path(__file__).with_name("hf_ddp_train.py")
     launcher = Path(sys.executable).with_name("accelerate")
-    env = {**os.environ, "PYTHONPATH": str(script.parent), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(script.parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
          "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
@@ -187,8 +190,14 @@ def test_ddp_through_accelerate_launch(tmp_path: Path) -> None:
     events = read_events(str(run))
     grad = events.scalars[tags.format("grad_norm", "transformer.h", 0)]
     assert [s for s, _ in grad] == [s for s, _ in events.scalars["train/loss"]] == [1, 2, 4]
+    theirs = dict(events.scalars["train/grad_norm"])  # before clipping
+    assert dict(events.scalars[tags.format("grad_norm_total", "model")]) == pytest.approx(
+        theirs, rel=1e-5
+    )
+    assert all(theirs[s] > 2 * ranks[0]["totals"][str(s)] for s in theirs)  # clipped
     for step, value in grad:
-        assert value == pytest.approx(ranks[0]["grads"][str(step)], rel=1e-5)
+        at_step = ranks[0]["grads"][str(step)] * theirs[step] / ranks[0]["totals"][str(step)]
+        assert value == pytest.approx(at_step, rel=1e-5)
 
 
 def test_trl_sft_trainer_logs_beside_its_loss(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 import normprobe
 from normprobe import tags
 from normprobe.cli import main as normprobe_main
+from normprobe.runtime.backward_end import BackwardEnd
 
 BACKWARD = tags.format("nonfinite", "backward_modules")
 FIRST_BACKWARD = tags.format("nonfinite", "first_backward")
@@ -97,12 +98,14 @@ def healthy(record: normprobe.Record) -> bool:
 
 @pytest.fixture
 def registered(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """The number of tensor hooks registered, as a one-item list the test can reset."""
+    """The number of tensor hooks registered on module inputs and outputs (not the one on the
+    model's output that ends each backward, `BackwardEnd`'s), as a one-item list the test can
+    reset."""
     count = [0]
     register = torch.Tensor.register_hook
 
     def counting(self: torch.Tensor, hook: Any) -> Any:
-        count[0] += 1
+        count[0] += not isinstance(getattr(hook, "__self__", None), BackwardEnd)
         return register(self, hook)
 
     monkeypatch.setattr(torch.Tensor, "register_hook", counting)

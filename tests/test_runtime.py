@@ -224,7 +224,8 @@ def test_schedule_event_files_layout_and_depth_view(tmp_path: Path) -> None:
     families = {parsed.series for t in events.scalars if (parsed := tags.parse(t))}
     assert families == {
         "resid_rms", "resid_growth", "resid_slope", "resid_cos", "norm_in_rms", "norm_out_rms",
-        "norm_gain_mean", "norm_gain_std", "grad_norm", "grad_ratio", "update_ratio", "logits",
+        "norm_gain_mean", "norm_gain_std", "grad_norm", "grad_ratio", "grad_norm_total",
+            "grad_norm_rest", "grad_clip_factor", "update_ratio", "logits",
         "attn_logit_max", "nonfinite", "weight_rms", "outlier_ratio", "outlier_channel",
         "outlier_kurtosis", "attn_head_max", "attn_head_argmax", "attn_heads_over_tau",
         "summary",  # the sink's log2 ratios and each stack's largest logit, for the dashboard
@@ -526,11 +527,13 @@ def test_reading_hooks_live_only_in_logged_forwards(tmp_path: Path, persistent: 
     armed = seen[0]
     # a hook on every module (non-finite outputs), and pre-hooks for the norms' and streams' reads;
     # at most one pair per module, whatever reads it: besides them the spy, the probe's root
-    # pre-hook and the hook that ends a recorded forward
+    # pre-hook, the hook on its output that ends the backward and the hook that ends a recorded
+    # forward
     modules = len(list(model.modules()))
-    assert modules + 1 < armed <= 2 * modules + 3
-    # between logged steps: the spy and the probe's root hook only, unless kept registered
-    assert seen == [armed, armed if persistent else 2, armed, armed if persistent else 2]
+    assert modules + 1 < armed <= 2 * modules + 4
+    # between logged steps: the spy and the probe's root hooks only (the pre-hook, and the hook
+    # on its output that ends the backward), unless kept registered
+    assert seen == [armed, armed if persistent else 3, armed, armed if persistent else 3]
     assert values == [0, 0, 2, 2]
     assert hook_count(model) == 0
 
@@ -539,7 +542,8 @@ def test_gradients_are_read_after_accumulation_and_unscaling(tmp_path: Path) -> 
     model = ResidualStack(3, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    with normprobe.attach(model, opt, log_dir=str(tmp_path), metrics=["grad_norm"]) as probe:
+    options: dict[str, Any] = {"log_dir": str(tmp_path), "metrics": ["grad_norm"]}
+    with normprobe.attach(model, opt, scaler=scaler, **options) as probe:
         for _ in range(2):  # two micro-batches accumulate into one optimizer step
             scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
         scaler.unscale_(opt)

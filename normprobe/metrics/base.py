@@ -112,9 +112,12 @@ class Plan(Protocol):
     holdings: Holdings  # the tensors that hold the parameters' gradients and weights here
     compiled: bool  # the hooks stay registered and must not change a compiled graph
     measured: Measured
-    # this step's sum of squared gradients of each block of `stacks()`, in order, when the spike
-    # detector has taken them already (one pass over the gradients, not two); else None
-    block_grad_squares: torch.Tensor | None
+    # while `on_gradients` callbacks run: the loss scale the gradients carry (a GradScaler's,
+    # on the device), else None
+    grad_scale: torch.Tensor | None
+    # the `on_gradients` callbacks of this step read the gradients before any clipping and
+    # `before_step` ones see them after it (False: both see the same gradients)
+    clipping_visible: bool
 
     def slot(self, size: int, reduce: Reduce) -> Slot: ...
 
@@ -162,8 +165,15 @@ class Plan(Protocol):
     def at_forward_end(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` when a logged forward ends (also one that raised)."""
 
+    def on_gradients(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on a logged step where its gradients are complete and not clipped yet:
+        at the end of each backward through the model's output (the step's last one counts),
+        or before the optimizer step when none ended there; divide squares by `grad_scale`
+        squared."""
+
     def before_step(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on a logged step before the optimizer step (gradients are complete)."""
+        """Run ``fn`` on a logged step before the optimizer step (gradients are complete, and
+        clipped if the trainer clips)."""
 
     def after_step(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on a logged step after the optimizer step."""

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 
-from .. import probes, tags
+import torch
+
+from .. import tags
 from .base import (
+    MODEL,
     NOTE,
     PROBLEM,
     SUSTAIN,
@@ -14,13 +18,14 @@ from .base import (
     Flag,
     Out,
     Plan,
+    Points,
     Run,
     Series,
     Values,
     placement,
     sustained,
 )
-from .params import BlockParams
+from .grads import GradSquares
 
 # grad_ratio (last / first block), sanity check [d]: Post-LN reads 2.35 at init (top-heavy, the
 # reason it needs warmup: Xiong et al. 2020) and DeepNorm 1.02, so 2.0 is a note. A problem when
@@ -38,38 +43,79 @@ TOP_PROBLEM = 10.0
 # its healthy runs in the calibration set end at 0.14-0.93: bottom-heavy gradients past 4x are
 # a note, never a problem.
 BOTTOM_LIMIT = 0.25
+# a clip factor below this is a clipped step (clip_grad_norm_ adds 1e-6 to the total: an
+# unclipped step reads 1 within float32 rounding)
+CLIPPED = 0.999
+# gradients at the optimizer step smaller by an exact power of two, at least this one, than at
+# the backward's end carried a loss scale (GradScaler starts at 2**16)
+SCALED = 16.0
 
 
 class GradNorm(Family):
     name = "grad_norm"
-    requires = "no stacks of blocks"
+    requires = "no trainable parameters"
     description = (
-        "L2 norm of each block's parameter gradients just before the optimizer step "
-        "(after accumulation and AMP unscaling); per stack also the top/bottom ratio "
-        "(last block / first block)"
+        "L2 norm of each block's parameter gradients where they are complete and not clipped "
+        "yet (after accumulation and AMP unscaling, before clip_grad_norm_); per stack the "
+        "top/bottom ratio (last block / first block); grad_norm_total over every trainable "
+        "parameter and grad_norm_rest over those in no block (the blocks' squares and the "
+        "rest's add up to the total's); grad_clip_factor, the total at the optimizer step "
+        "over the total before clipping (1: not clipped)"
     )
-    series = (Series("grad_norm", "block", "mean"), Series("grad_ratio", "stack"))
+    series = (
+        Series("grad_norm", "block", "mean"),
+        Series("grad_ratio", "stack"),
+        Series("grad_norm_total", "model"),
+        Series("grad_norm_rest", "model"),
+        Series("grad_clip_factor", "model"),
+    )
 
     def plan(self, plan: Plan) -> None:
-        params = BlockParams.of(plan)
-        if not params.params:
+        grads = GradSquares.of(plan)
+        if not grads.params:
             return
-        slots = {s.path: plan.slot(s.depth, plan.param_reduce) for s in plan.stacks()}
+        blocks = grads.blocks.blocks
+        slots = {
+            stack: plan.slot(s.stop - s.start, plan.param_reduce) for stack, s in blocks.items()
+        }
+        whole = plan.slot(2, plan.param_reduce)  # the rest's and the total's squares
+        stepped = plan.slot(1, plan.param_reduce)  # the total's squares at the optimizer step
+        total = grads.total_weights()
+        read_before = [False]
+        warned = [False]
 
         def read() -> None:
-            shared = plan.block_grad_squares
-            if shared is not None and len(shared) == params.count:
-                squares = shared.clone()  # the spike detector's buffer is its own
-            else:
-                device = params.params[0].device
-                grads = params.grads()
-                squares = probes.group_sums(
-                    params.by_shape.squared_norms(grads, device), params.index(device), params.count
-                )
-            for stack, blocks in params.blocks.items():
-                plan.measured.put(slots[stack], squares[blocks])
+            sums = grads.group_sums()
+            squares = grads.squares
+            if sums is None or squares is None:
+                return
+            for stack, at in blocks.items():
+                plan.measured.put(slots[stack], sums[at])
+            plan.measured.put(whole, torch.stack([sums[-1], _total(squares, total)]))
+            read_before[0] = plan.clipping_visible
+
+        def at_step() -> None:
+            if read_before[0]:  # else the step sees the gradients `read` saw
+                read_before[0] = False
+                squares = grads.squared_norms()
+                plan.measured.put(stepped, _total(squares, total).reshape(1))
 
         def record(values: Values, out: Out) -> None:
+            both = values.get(whole)
+            if both is None:
+                return
+            rest, total_squares = both
+            at = values.get(stepped)
+            if at is not None and total_squares > 0:
+                factor = math.sqrt(at[0] / total_squares)
+                if _loss_scaled(factor):
+                    if out.writes and not warned[0]:
+                        warned[0] = True
+                        _warn_scaled(out, factor)
+                    return  # the values read at the end of the backward carry a loss scale
+                out.scalar("grad_clip_factor", MODEL, min(1.0, factor))
+            out.scalar("grad_norm_total", MODEL, math.sqrt(total_squares))
+            out.scalar("grad_norm_rest", MODEL, math.sqrt(rest))
             for stack, slot in slots.items():
                 squares = values.get(slot)
                 if squares is None:
@@ -80,11 +126,12 @@ class GradNorm(Family):
                 if first:
                     out.scalar("grad_ratio", plan.stack_name(stack), last / first)
 
-        plan.before_step(read)
+        plan.on_gradients(read)
+        plan.before_step(at_step)
         plan.on_record(record)
 
     def flags(self, run: Run) -> list[Flag]:
-        found = []
+        found = _clipping(run.scalars.get(tags.format("grad_clip_factor", MODEL), []))
         streams = {t.stack for t in run.tags if t.parsed.series == "resid_rms"}
         for stack in sorted({t.stack for t in run.tags if t.parsed.series == "grad_ratio"}):
             where = placement(run, stack)
@@ -142,3 +189,50 @@ def _skew(
             NOTE,
         )
     return None
+
+
+def _total(squares: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """The sum of every parameter's squares, each counted once (``weights``: 0 on repeats)."""
+    return squares.sum() if weights is None else squares @ weights.to(squares)
+
+
+def _loss_scaled(factor: float) -> bool:
+    """Whether the gradients at the optimizer step are those at the backward's end divided by
+    a power of two of at least `SCALED`: a loss scale (GradScaler) the probe was not handed."""
+    if not 0 < factor <= 1 / SCALED:
+        return False
+    power = -math.log2(factor)
+    return abs(power - round(power)) < 1e-4
+
+
+def _warn_scaled(out: Out, factor: float) -> None:
+    warnings.warn(
+        f"normprobe: at step {out.step} the gradients at the end of the backward were "
+        f"{1 / factor:.0f}x those at the optimizer step, a power of two: a loss scale (fp16 "
+        "GradScaler) the probe does not know. grad_norm is not written on such steps; pass "
+        "the scaler: normprobe.attach(model, optimizer=opt, scaler=scaler)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def _clipping(points: Points) -> list[Flag]:
+    """A note when the gradients were clipped on most logged steps."""
+    finite = [(s, v) for s, v in points if math.isfinite(v)]
+    clipped = [(s, v) for s, v in finite if v < CLIPPED]
+    if len(clipped) < SUSTAIN or len(clipped) * 2 <= len(finite):
+        return []
+    factor = statistics.median(v for _, v in clipped)
+    return [
+        Flag(
+            "clipped gradients",
+            MODEL,
+            clipped[-1][0],
+            len(clipped) / len(finite),
+            0.5,
+            f"gradients clipped on {len(clipped)} of {len(finite)} logged steps (median clip "
+            f"factor {factor:.3g}): clipping sets the step size instead of the learning rate; "
+            "raise max_grad_norm, lower the learning rate or warm it up",
+            NOTE,
+        )
+    ]

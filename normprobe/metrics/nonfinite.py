@@ -23,6 +23,7 @@ import torch
 from .. import probes, tags
 from ..discovery.trace import iter_tensors
 from .base import MODEL, PROBLEM, Family, Flag, Out, Plan, Run, Series, Side, Values
+from .grads import GradSquares
 from .streams import Streams
 
 Ranks = dict[torch.device, torch.Tensor]  # 0, 1, 2, ... on each device, made once
@@ -207,6 +208,7 @@ class NonFinite(Family):
         paths = list(plan.modules_in_order)
         spread = float(len(paths))
         slot = plan.slot(len(paths), "min")
+        grads = GradSquares.of(plan)
         sums: list[torch.Tensor] = []  # the finite sum of each gradient, as they complete
         # by module, the positions in ``sums`` of its gradients; inputs in the order their
         # gradient completed (a module's last one)
@@ -251,7 +253,7 @@ class NonFinite(Family):
             first = _place(plan, watched, made, ranks, out.step)
             narrowed = ""
             if made in watched.inside and not watched.localized(made, ranks):
-                narrowed = _by_parameter_gradients(plan, watched.inside[made])
+                narrowed = _by_parameter_gradients(plan, grads, watched.inside[made])
             out.text("nonfinite", "first_backward", first + narrowed)
             if not warned[0] and out.writes:
                 warned[0] = True
@@ -285,22 +287,31 @@ def _place(
     return path + BLOCK
 
 
-def _by_parameter_gradients(plan: Plan, inner: Sequence[int]) -> str:
-    """Where a block's backward made a NaN/Inf, by its modules' parameter gradients (not finite
-    in the modules that run before that place, finite in those after it, in the order modules
-    are defined): the last module whose parameter gradients are not finite, and the next one
-    whose are. Read back at once: a second transfer, on the step that found it."""
+def _by_parameter_gradients(plan: Plan, grads: GradSquares, inner: Sequence[int]) -> str:
+    """Where a block's backward made a NaN/Inf, by its modules' parameter gradients as they were
+    before any clipping (`GradSquares`: clipping by a non-finite total makes every gradient
+    NaN): not finite in the modules that run before that place, finite in those after it, in
+    the order modules are defined; the last module whose parameter gradients are not finite,
+    and the next one whose are. Read back at once: a second transfer, on the step that found
+    it."""
+    if grads.squares is None:
+        return ""
     held: list[tuple[str, int]] = []  # (path, number of gradients)
-    grads: list[torch.Tensor] = []
+    picks: list[int] = []
     for i in inner:
         path = plan.modules_in_order[i]
-        own = [p.grad for p in plan.modules[path].parameters(recurse=False) if p.grad is not None]
+        own = [
+            grads.position[id(p)]
+            for p in plan.modules[path].parameters(recurse=False)
+            if id(p) in grads.position
+        ]
         if own:
             held.append((path, len(own)))
-            grads += [probes.local(g) for g in own]
+            picks += own
     if not held:
         return ""
-    sums = iter(probes.finite_sums(grads).tolist())
+    squares = grads.squares[torch.tensor(picks, device=grads.squares.device)]
+    sums = iter(squares.tolist())
     finite = [all([math.isfinite(next(sums)) for _ in range(n)]) for _, n in held]
     last = max((k for k, ok in enumerate(finite) if not ok), default=None)
     if last is None:

@@ -39,6 +39,7 @@ def attach(
     example_kwargs: dict[str, Any] | None = None,
     max_block_tags: int = 64,
     spikes: Spikes | None = DEFAULT_SPIKES,
+    scaler: Any = None,
 ) -> Probe:
     """Attach a probe that logs the model's norm, residual and gradient statistics.
 
@@ -52,8 +53,10 @@ def attach(
 
     Args:
         model: the model to watch.
-        optimizer: its optimizer; steps advance with ``optimizer.step()`` and gradients are read
-            just before it. Without one, call ``probe.step()`` after each step.
+        optimizer: its optimizer; steps advance with ``optimizer.step()``. Gradients are read
+            at the end of each backward through the model's output, before any clipping
+            (the step's last backward counts), else just before the optimizer step. Without
+            one, call ``probe.step()`` after each step.
         log_dir: where to write TensorBoard event files.
         writer: an existing ``SummaryWriter`` to write to instead (left open on removal).
         sinks: where else records go (`normprobe.Sink`, e.g. `normprobe.MemorySink`). Given
@@ -71,6 +74,9 @@ def attach(
             the next ``capture`` steps. The loss comes from the model's output (``.loss``,
             ``["loss"]``) or from ``probe.observe_loss(loss)``; without one only the gradient
             norm is watched. Off under ``torch.distributed``.
+        scaler: the ``torch.amp.GradScaler`` of fp16 training, whose loss scale the gradients
+            carry at the end of the backward (divided out on the device); Accelerate's
+            optimizer hands over its own.
 
     Returns:
         A `Probe`, also a context manager; ``probe.remove()`` is idempotent.
@@ -95,6 +101,7 @@ def attach(
         max_block_tags=max_block_tags,
         sinks=sinks,
         spikes=spikes,
+        scaler=scaler,
     )
     try:
         # under torch.distributed, rank 0 alone opens event files

@@ -32,7 +32,15 @@ from .packing import Layout
 
 Callback = Callable[[], None]
 Recorder = Callable[[Values, Out], None]
-EVENTS = ("forward_start", "forward_end", "before_step", "after_step", "flush", "clear")
+EVENTS = (
+    "forward_start",
+    "forward_end",
+    "gradients",
+    "before_step",
+    "after_step",
+    "flush",
+    "clear",
+)
 
 
 def tagged_paths(paths: Iterable[str], cap: int) -> set[str]:
@@ -85,7 +93,8 @@ class ProbePlan:
         self.param_reduce: Reduce = "sum" if sharded else param_reduce
         self.compiled = compiled
         self.measured = measured
-        self.block_grad_squares: torch.Tensor | None = None
+        self.grad_scale: torch.Tensor | None = None
+        self.clipping_visible = False
         self.capture_until = -1  # the last step a family asked to log (`capture`)
         self.hooks = hooks
         self.layout = Layout()
@@ -162,6 +171,9 @@ class ProbePlan:
 
     def at_forward_end(self, fn: Callback) -> None:
         self._on("forward_end", fn)
+
+    def on_gradients(self, fn: Callback) -> None:
+        self._on("gradients", fn)
 
     def before_step(self, fn: Callback) -> None:
         self._on("before_step", fn)

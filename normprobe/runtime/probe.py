@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from ..metrics import METRICS, chosen, family
 from ..metrics.base import Reduce
 from ..metrics.params import OwnTensors
 from ..sinks import Record, Sink
+from .backward_end import BackwardEnd
 from .forward import Forwards
 from .hooks import OptimizerSteps, ProbeHook
 from .packing import read_back
@@ -37,12 +38,18 @@ class Probe:
     registered and return at once on other steps (what a compiled model needs: no hook added
     later). With ``spikes``, a detector checks the loss and the gradient norm on every step
     (`normprobe.Spikes`): a spike is written as ``normprobe/spike/*`` and the steps after it
-    are logged like scheduled ones. Drivers that count steps themselves (the Lightning and
+    are logged like scheduled ones. Gradients are read where they are complete and before any
+    clipping: at the end of each backward through the model's output (the step's last one
+    counts; `normprobe.runtime.backward_end`), else just before the optimizer step; a
+    ``scaler`` (``torch.amp.GradScaler``; found on Accelerate's optimizer by itself) divides
+    out the loss scale they carry there. Drivers that count steps themselves (the Lightning and
     Hugging Face callbacks) call `begin_step`, `before_optimizer_step` and `end_step`, and pass
     what only they know as the underscored arguments: how ranks combine parameter statistics
     (``"sum"`` when each holds a shard), the step phase of their logging schedule, a prefix
-    for module names, and their optimizer when it may be DeepSpeed's ZeRO (then gradients are
-    read when its step starts, and `before_optimizer_step` is theirs to skip).
+    for module names, their optimizer when it may be DeepSpeed's ZeRO (then gradients are
+    read when its step starts, and `before_optimizer_step` is theirs to skip), and where
+    gradients are read (``"step"``: in `before_optimizer_step`, which the driver calls where
+    they are complete, unscaled and not clipped).
     """
 
     def __init__(
@@ -57,19 +64,25 @@ class Probe:
         start_step: int = 0,
         persistent_hooks: bool = False,
         spikes: Spikes | None = None,
+        scaler: Any = None,
         _param_reduce: Reduce = "mean",
         _phase: int = 0,
         _name_prefix: str = "",
         _zero_optimizer: Any = None,
+        _gradients_at: Literal["backward", "step"] = "backward",
     ) -> None:
         _check_arguments(model, every, max_block_tags)
         self.model = model
         # DeepSpeed ZeRO: its gradients and step are its own (a driver that counts steps itself
-        # passes its optimizer as ``_zero_optimizer``: read when its step starts, no step counted)
+        # passes its optimizer as ``_zero_optimizer``): read when its step starts, before it
+        # clips them, no step counted
         self._zero = Zero.of(optimizer if optimizer is not None else _zero_optimizer)
         if self._zero is not None:
             warn_spikes(self._zero.stage, spikes)
             spikes = None
+            _gradients_at = "step"
+        # Accelerate's AcceleratedOptimizer holds the GradScaler of fp16 training
+        self.scaler = scaler if scaler is not None else getattr(optimizer, "scaler", None)
         self.optimizer = optimizer = unwrapped_optimizer(optimizer)
         self.sinks = list(sinks)
         self.every = every
@@ -93,9 +106,17 @@ class Probe:
         self._validating = False
         self._removed = False
         self._forward_count = self._steps_ended = 0  # for the warning when nothing was logged
+        self._gradients_read = False  # this step's gradients were read before the step
+        self._backward = (
+            BackwardEnd(model, self.gradients_complete, persistent_hooks)
+            if _gradients_at == "backward"
+            else None
+        )
         self._handles: list[RemovableHandle | ZeroSteps] = [
             model.register_forward_pre_hook(ProbeHook(self._root_pre))
         ]
+        if self._backward is not None and not persistent_hooks:
+            self._handles.append(model.register_forward_hook(ProbeHook(self._output)))
         self._steps: OptimizerSteps | ZeroSteps
         if self._zero is not None:
             after = self._next_step if optimizer is not None else None
@@ -179,6 +200,10 @@ class Probe:
             for sink in self.sinks:
                 sink.flush()
 
+    def _output(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self._backward is not None and self._reads_gradients():
+            self._backward.watch(out)
+
     def _next_step(self) -> None:
         self.end_step()
         self.begin_step(self.step_count + 1)
@@ -191,6 +216,7 @@ class Probe:
         module while the root's own hooks run would miss that call.
         """
         self.step_count = step
+        self._gradients_read = False
         if logged is None:
             self._logged = self._is_logged(step)
         else:  # the driver's cadence, and the steps after a spike
@@ -198,20 +224,39 @@ class Probe:
         if self._logged and self._plan is not None and not self._removed:
             self._forwards.armed.arm()
 
-    def before_optimizer_step(self) -> None:
-        """Read gradients and gains, and keep what the update ratio compares against; check
-        the step for a spike."""
-        detector = self._spikes.detector if self._spikes is not None else None
-        if detector is not None:
-            detector.watch(self.step_count)
+    def _reads_gradients(self) -> bool:
+        """This step's gradients are read: a logged step, or the spike detector is on."""
+        logged = self._logged and not self.paused and self._plan is not None
+        return not self._removed and (logged or self._spikes is not None)
+
+    def gradients_complete(self, at_step: bool = False) -> None:
+        """The step's gradients are complete and not clipped yet (the end of a backward): read
+        them; a later call in the same step (the next micro-batch's backward) reads again.
+        ``at_step``: read at the optimizer step, where clipping cannot be told apart."""
+        if not self._reads_gradients():
+            return
+        self._gradients_read = True
+        scale = _loss_scale(self.scaler)
+        if self._spikes is not None:
+            self._spikes.detector.measure(scale)
         if self._logged and self._plan is not None:
-            plan = self._plan
-            if detector is not None and plan.param_reduce != "sum":  # not a rank's shard alone
-                plan.block_grad_squares = detector.block_squares()
+            self._plan.grad_scale = scale
+            self._plan.clipping_visible = not at_step
             try:
-                plan.run("before_step")
+                self._plan.run("gradients")
             finally:
-                plan.block_grad_squares = None
+                self._plan.grad_scale = None
+
+    def before_optimizer_step(self) -> None:
+        """Read the gradients unless a backward's end read them (no backward through the
+        model's output); read the gains, and keep what the update ratio compares against;
+        check the step for a spike."""
+        if not self._gradients_read:
+            self.gradients_complete(at_step=True)
+        if self._spikes is not None:
+            self._spikes.detector.watch(self.step_count)
+        if self._logged and self._plan is not None:
+            self._plan.run("before_step")
 
     @property
     def reads_zero_step(self) -> bool:
@@ -314,6 +359,8 @@ class Probe:
         if self._forward_count and not self._steps_ended and not unwinding and is_writer():
             _warn_no_step(self.model, self._forward_count, self.optimizer is not None)
         self._forwards.stop()
+        if self._backward is not None:
+            self._backward.remove()
         if self._spikes is not None:
             self._spikes.remove(unwinding)  # the last steps' verdicts, still on their way
         for h in self._handles:
@@ -346,6 +393,14 @@ def _warn_no_step(model: nn.Module, forwards: int, has_optimizer: bool) -> None:
         RuntimeWarning,
         stacklevel=3,  # the caller of remove()
     )
+
+
+def _loss_scale(scaler: Any) -> torch.Tensor | None:
+    """The scale a GradScaler multiplies the loss by, on the device (no host sync), or None."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale: torch.Tensor | None = getattr(scaler, "_scale", None)  # None before its first scale()
+    return scale
 
 
 def unwrapped_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:

@@ -1,15 +1,15 @@
 """Spike-triggered capture: a cheap detector of loss and gradient-norm spikes on every step.
 
 Each step, on the device: the step's loss (when the probe sees one) and total gradient norm,
-and each block's gradient norm (estimated from a sample of each large gradient by default:
-`Spikes.sample`), are compared with their mean and standard deviation over the last
-``window`` steps, kept in a ring buffer on the device; a value above mean + sigma std is a
-spike (OLMo's rule). Spike values enter the history like any other, so a lasting shift is
-flagged for a few steps, not for good; NaN and Inf neither spike nor enter it (``nonfinite``
-reports them). The verdict goes to host memory by a copy nobody waits for (pinned memory on
-CUDA) and is read on a later step, once the copy is done; on a CPU it is read at once, at the
-spike's own step. Nothing is read back with ``.item()``: no host sync on the step. A series
-has no spike before it has 16 steps of history (or ``window``, if fewer).
+and each block's gradient norm (before any clipping; estimated from a sample of each large
+gradient by default: `Spikes.sample`), are compared with their mean and standard deviation
+over the last ``window`` steps, kept in a ring buffer on the device; a value above mean +
+sigma std is a spike (OLMo's rule). Spike values enter the history like any other, so a
+lasting shift is flagged for a few steps, not for good; NaN and Inf neither spike nor enter it
+(``nonfinite`` reports them). The verdict goes to host memory by a copy nobody waits for
+(pinned memory on CUDA) and is read on a later step, once the copy is done; on a CPU it is read
+at once, at the spike's own step. Nothing is read back with ``.item()``: no host sync on the
+step. A series has no spike before it has 16 steps of history (or ``window``, if fewer).
 """
 
 from __future__ import annotations
@@ -111,9 +111,9 @@ class SpikeDetector:
     """The history, the per-step check and the read-back of one probe's spike detector.
 
     Columns of the history: the loss, the total gradient norm (every trainable parameter),
-    then each block's gradient norm. `observe_loss` takes the step's loss, `watch` checks the
-    step before the optimizer step, `found` hands over the spikes whose verdicts have reached
-    the host.
+    then each block's gradient norm. `observe_loss` takes the step's loss, `measure` the
+    gradient norms before any clipping, `watch` checks the step before the optimizer step,
+    `found` hands over the spikes whose verdicts have reached the host.
     """
 
     def __init__(
@@ -128,11 +128,6 @@ class SpikeDetector:
         self.spikes = spikes
         self.params = list(params)
         self._tables = list(tables) if tables is not None else [False] * len(self.params)
-        # its per-block sums can stand in for grad_norm's where it reads every entry (`_allocate`
-        # knows): float32 suffices, one device
-        self._shareable = len({p.device for p in self.params}) == 1 and all(
-            p.dtype != torch.float64 for p in self.params
-        )
         self.blocks = list(blocks)
         self.columns = 2 + len(self.blocks)
         # which parameters each gradient-norm column adds up: all of them, then each block's
@@ -146,6 +141,7 @@ class SpikeDetector:
         self._losses = 0
         self._explicit_loss = False
         self._checked = 0  # steps watched so far: the ring buffers' position
+        self._measured = False  # the step's gradient norms are taken
         # (step, host slot, the copy's CUDA event) of the verdicts not read yet
         self._pending: deque[tuple[int, int, torch.cuda.Event | None]] = deque()
         self._read_early: list[SpikeEvent] = []  # read to free their slot, not handed over yet
@@ -188,13 +184,13 @@ class SpikeDetector:
         self._loss = value if self._loss is None else self._loss + value
         self._losses += 1
 
-    def watch(self, step: int) -> None:
-        """Check step ``step``'s loss and gradients against their history (the gradients are
-        complete: before the optimizer step) and send the verdict to the host."""
+    def measure(self, scale: torch.Tensor | None = None) -> None:
+        """Take the step's gradient norms from the gradients present now (complete and not
+        clipped yet: at the end of the backward), divided by a loss scaler's ``scale``; the last
+        measure before `watch` counts."""
         device = self.params[0].device
         if self._device != device:
             self._allocate(device)
-        x = self._x
         with torch.no_grad():
             grads = [p.grad for p in self.params]
             if len(self._passes) == 1:  # one device: the list as it is
@@ -204,7 +200,18 @@ class SpikeDetector:
                     [s([grads[i] for i in at]).to(device) for at, s in self._passes]
                 )
             torch.mv(self._members.view(self.columns - 1, -1), squares, out=self._sums)
-            torch.sqrt(self._sums, out=x[1:])
+            if scale is not None:
+                self._sums.div_(scale.to(device) ** 2)
+            torch.sqrt(self._sums, out=self._x[1:])
+        self._measured = True
+
+    def watch(self, step: int) -> None:
+        """Check step ``step``'s loss and gradient norms (`measure`d now unless they were since
+        the last check) against their history and send the verdict to the host."""
+        if not self._measured:
+            self.measure()
+        x = self._x
+        with torch.no_grad():
             if self._loss is None:
                 x[0].fill_(math.nan)
             else:
@@ -216,14 +223,7 @@ class SpikeDetector:
                 _check(self._values, self._history, self._present, position, self.spikes)
         self._send(step)
         self._loss, self._losses = None, 0
-
-    def block_squares(self) -> torch.Tensor | None:
-        """The last watched step's sum of squared gradients of each block (in float32, in the
-        order of the blocks given), or None where they were estimated from a sample, float32
-        narrowed float64 gradients or they are on several devices."""
-        if self._device is None or not self._shareable or self._sampled:
-            return None
-        return self._sums[1:]
+        self._measured = False
 
     def found(self, wait: bool = False) -> list[SpikeEvent]:
         """The spikes among the checked steps whose verdicts have reached the host (all of
@@ -265,7 +265,6 @@ class SpikeDetector:
             )
             for at in on.values()
         ]
-        self._sampled = any(squares.sampled for _, squares in self._passes)
         # the parameters in the order the passes give their sums
         order = [at[i] for at, squares in self._passes for i in squares.order]
         self._members = self._by_param.view(columns - 1, -1)[:, order].reshape(-1).to(device)
