@@ -87,7 +87,7 @@ def _graph() -> dict[str, set[str]]:
                 graph[name] |= {a.name for a in node.names if a.name in modules}
                 continue
             base = package.split(".")[: len(package.split(".")) - node.level + 1]
-            target = ".".join(base + [node.module or ""]).strip(".") if node.level else node.module
+            target = ".".join([*base, node.module or ""]).strip(".") if node.level else node.module
             for alias in node.names:
                 child = f"{target}.{alias.name}"
                 if child in modules:
@@ -103,7 +103,7 @@ def test_no_import_cycle() -> None:
 
     def visit(name: str, path: list[str]) -> None:
         if name in path:
-            cycle = path[path.index(name) :] + [name]
+            cycle = [*path[path.index(name) :], name]
             raise AssertionError("import cycle: " + " -> ".join(cycle))
         if name in done:
             return

@@ -24,7 +24,9 @@ from torch.utils.data import DataLoader
 import normprobe
 from normprobe import probes, tags
 from normprobe.models import TinyTransformer
-from normprobe.runtime.spikes import HostRule, SpikeDetector, _check
+from normprobe.runtime.spike_rule import HostRule
+from normprobe.runtime.spike_rule import check as _check
+from normprobe.runtime.spikes import SpikeDetector
 
 SPIKE_AT = 60
 STEPS = 100

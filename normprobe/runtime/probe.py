@@ -112,10 +112,15 @@ class Probe:
             if _gradients_at == "backward"
             else None
         )
-        self._handles: list[RemovableHandle | ZeroSteps] = [
-            model.register_forward_pre_hook(ProbeHook(self._root_pre))
-        ]
-        if self._backward is not None and not persistent_hooks:
+        self._handles: list[RemovableHandle | ZeroSteps] = []
+        self._hook_steps(optimizer)
+
+    def _hook_steps(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """The root's hooks (each forward; the output's gradient, for the end of the backward)
+        and the optimizer's (or DeepSpeed ZeRO's) step hooks."""
+        model = self.model
+        self._handles.append(model.register_forward_pre_hook(ProbeHook(self._root_pre)))
+        if self._backward is not None and not self.persistent_hooks:
             self._handles.append(model.register_forward_hook(ProbeHook(self._output)))
         self._steps: OptimizerSteps | ZeroSteps
         if self._zero is not None:
