@@ -46,8 +46,8 @@ from .discovery import DiscoveryWarning, ModelMap
 from .discovery.state import preserved
 from .discovery.table import collapse_indices
 from .discovery.trace import first_float, iter_tensors, replace_at
-from .init import branch_scales, is_weight_layer, out_in_view
 from .metrics import attn_logits, grad_norm, resid_rms
+from .reinit import branch_scales, is_weight_layer, out_in_view
 from .report import dumps, json_number
 from .runtime import Probe
 
