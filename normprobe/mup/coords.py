@@ -164,15 +164,7 @@ def coord_check(
         >>> print(table)
     """
     widths = sorted(set(widths))
-    if len(widths) < 2 or any(isinstance(w, bool) or not isinstance(w, int) for w in widths):
-        raise ValueError(f"coord_check needs two or more integer widths, got {widths!r}")
-    for name, count in (("steps", steps), ("seeds", seeds)):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"{name} must be a positive integer, got {count!r}")
-    if optimizer not in ("adam", "sgd"):
-        raise ValueError(f"optimizer must be 'adam' or 'sgd', got {optimizer!r}")
-    if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
-        raise ValueError(f"lr must be a positive number, got {lr!r}")
+    _check_arguments(widths, steps, seeds, optimizer, lr)
     args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     sums: dict[tuple[str, int, int], float] = {}
     order: dict[str, None] = {}
@@ -208,6 +200,19 @@ def coord_check(
     if plot is not None:
         table.plot(plot)
     return table
+
+
+def _check_arguments(widths: list[int], steps: int, seeds: int, optimizer: str, lr: float) -> None:
+    """Refuse fewer than two integer widths, and a bad ``steps``/``seeds``/``optimizer``/``lr``."""
+    if len(widths) < 2 or any(isinstance(w, bool) or not isinstance(w, int) for w in widths):
+        raise ValueError(f"coord_check needs two or more integer widths, got {widths!r}")
+    for name, count in (("steps", steps), ("seeds", seeds)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name} must be a positive integer, got {count!r}")
+    if optimizer not in ("adam", "sgd"):
+        raise ValueError(f"optimizer must be 'adam' or 'sgd', got {optimizer!r}")
+    if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
+        raise ValueError(f"lr must be a positive number, got {lr!r}")
 
 
 def _train_and_record(
