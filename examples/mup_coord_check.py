@@ -3,7 +3,7 @@
     python examples/mup_coord_check.py [--steps 3] [--widths 64 128 256 512 1024] [--png]
 
 An MLP (inp -> h1 -> h2 -> out, ReLU between) trains for a few Adam steps at each width on the
-same batch; `normprobe.muparam.coord_check` records the RMS of every layer's output and fits
+same batch; `normprobe.mup.coord_check` records the RMS of every layer's output and fits
 the slope of log RMS against log width. Under the standard parametrization (one learning rate)
 hidden activations grow with width once training starts (slope > 0); under muP
 (`normprobe.mup(model, base_width=64)`, trained with `mup_param_groups`) they stay put (slope
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import normprobe
-from normprobe.muparam import coord_check
+from normprobe.mup import coord_check
 
 
 class MLP(nn.Module):

@@ -13,20 +13,21 @@ from .discovery import (
     discover,
     discover_on_first_forward,
 )
-from .init import (
+from .layers import DyT
+from .metrics import Flag
+from .metrics.attn_logits_head import qk_clip_factors
+from .mup import CoordTable, MupShape, coord_check, mup, mup_param_groups, mup_shapes
+from .reinit import (
     BranchScale,
     FixupScalars,
+    ReinitReport,
+    TensorInit,
     branch_scales,
     insert_branch_scale,
     reinit,
     reinit_with_report,
     remove_branch_scale,
 )
-from .layers import DyT
-from .metrics import Flag
-from .metrics.attn_logits_head import qk_clip_factors
-from .muparam import CoordTable, MupShape, coord_check, mup, mup_param_groups, mup_shapes
-from .reinit_report import ReinitReport, TensorInit
 from .report import Comparison, RunReport, Trend, compare_runs, find_runs
 from .report import report as report_run
 from .runtime import METRICS, Probe, Spikes, attach, attached_probe

@@ -35,8 +35,8 @@ from torch.utils.data import DataLoader
 
 from .corpus import CharBatches, CharCorpus
 from .dashboard import dashboard_url
-from .init import reinit
 from .models import TinyTransformer
+from .reinit import reinit
 from .surgery import convert_norms
 
 WIDTH, DEPTH, HEADS, CONTEXT = 64, 6, 4, 64

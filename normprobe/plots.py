@@ -1,7 +1,7 @@
 """Pictures drawn with matplotlib (the optional ``normprobe[plot]`` extra).
 
 `save` writes a grid of line-chart panels as PNG: `report` draws its depth profiles this way,
-`muparam` its coordinate check. `depth_heatmap` renders one metric over blocks and steps as an
+`mup` its coordinate check. `depth_heatmap` renders one metric over blocks and steps as an
 RGB array (block x step at the steps' true positions, a clipped and labelled colour bar, and
 optionally the profile's shape: each step divided by its mean over blocks).
 

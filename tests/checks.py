@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from normprobe import BranchScale, ConversionReport, FixupScalars, ReinitReport, TensorInit
-from normprobe.init import out_in_view
+from normprobe.reinit import out_in_view
 
 # Per-module hook dicts that must be back to their counts after normprobe is done.
 HOOK_DICTS = (

@@ -15,7 +15,7 @@ from torch import nn
 
 import normprobe
 from normprobe import ModelMap
-from normprobe.init import FixupScalars
+from normprobe.reinit import FixupScalars
 
 D = 16
 

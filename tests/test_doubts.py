@@ -24,7 +24,7 @@ from torch import nn
 import normprobe
 from normprobe.diagnose import diagnose
 from normprobe.discovery import Doubt, ModelMap
-from normprobe.init import branch_scales, insert_branch_scale, reinit
+from normprobe.reinit import branch_scales, insert_branch_scale, reinit
 
 D = 32
 

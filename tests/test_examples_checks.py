@@ -15,7 +15,7 @@ import pytest
 from tb import read_events
 
 from normprobe import tags
-from normprobe.muparam import COORD_PANEL_SIZE
+from normprobe.mup import COORD_PANEL_SIZE
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 

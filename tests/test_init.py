@@ -23,7 +23,8 @@ from torch import nn
 import normprobe
 from normprobe import tags
 from normprobe.discovery import ModelMap
-from normprobe.init import (
+from normprobe.models import ResidualStack, TinyTransformer
+from normprobe.reinit import (
     BranchScale,
     FixupScalars,
     branch_scales,
@@ -33,7 +34,6 @@ from normprobe.init import (
     reinit,
     remove_branch_scale,
 )
-from normprobe.models import ResidualStack, TinyTransformer
 
 
 def assert_std(t: torch.Tensor, expected: float) -> None:

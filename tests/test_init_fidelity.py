@@ -24,6 +24,7 @@ from torch import nn
 
 import normprobe
 from normprobe import FixupScalars
+from normprobe.reinit import deepnorm_constants, deepnorm_encoder_decoder_constants
 
 
 def assert_std(t: torch.Tensor, expected: float) -> None:
@@ -362,16 +363,16 @@ def _alpha(block: nn.Module, branch: str) -> float:
 
 def test_deepnorm_constants_of_an_encoder_decoder_by_hand() -> None:
     # N = M = 6: N^4 M = 7776; 7776^(1/16) = 1.7505
-    (a_enc, b_enc), (a_dec, b_dec) = normprobe.init.deepnorm_encoder_decoder_constants(6, 6)
+    (a_enc, b_enc), (a_dec, b_dec) = deepnorm_encoder_decoder_constants(6, 6)
     assert round(7776 ** (1 / 16), 4) == 1.7505
     assert a_enc == pytest.approx(0.81 * 1.7505, abs=1e-4)  # 1.4179
     assert b_enc == pytest.approx(0.87 / 1.7505, abs=1e-4)  # 0.4970
     assert a_dec == pytest.approx(18**0.25) and round(a_dec, 4) == 2.0598
     assert b_dec == pytest.approx(72**-0.25) and round(b_dec, 4) == 0.3433
     # decoder-only, unchanged: (2N)^(1/4), (8N)^(-1/4)
-    assert normprobe.init.deepnorm_constants(6) == pytest.approx((12**0.25, 48**-0.25))
+    assert deepnorm_constants(6) == pytest.approx((12**0.25, 48**-0.25))
     with pytest.raises(ValueError, match="decoder_layers must be a positive integer"):
-        normprobe.init.deepnorm_encoder_decoder_constants(6, 0)
+        deepnorm_encoder_decoder_constants(6, 0)
 
 
 @pytest.mark.parametrize("tgt_len", [5, 9])  # 9: the encoder's output has the stream's shape

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from normprobe import plots
-from normprobe.muparam import COORD_PANEL_SIZE, coord_check, mup, mup_param_groups, mup_shapes
+from normprobe.mup import COORD_PANEL_SIZE, coord_check, mup, mup_param_groups, mup_shapes
 
 
 class MLP(nn.Module):

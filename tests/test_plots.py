@@ -179,7 +179,7 @@ def test_panels_integer_block_ticks_and_log_scale_over_decades() -> None:
 
 def test_matplotlib_is_optional(monkeypatch: pytest.MonkeyPatch) -> None:
     code = (
-        "import sys, normprobe, normprobe.plots, normprobe.report, normprobe.muparam;"
+        "import sys, normprobe, normprobe.plots, normprobe.report, normprobe.mup;"
         "assert 'matplotlib' not in sys.modules, 'imported at module import'"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

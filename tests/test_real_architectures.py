@@ -176,7 +176,7 @@ def test_map_matches_the_source(name: str) -> None:
 
 def _depth(m: ModelMap, stack: str | None) -> int:
     """N of GPT-2's std/sqrt(2N): the add's stack's depth (the deepest stack, or the number of
-    adds, outside one), as normprobe.init reads it."""
+    adds, outside one), as normprobe.reinit reads it."""
     if stack is not None:
         return m.stack(stack).depth
     return max((s.depth for s in m.stacks), default=len(m.residual_adds))

@@ -22,6 +22,7 @@ from torch.nn.utils.parametrizations import weight_norm
 import normprobe
 from normprobe import reinit, reinit_with_report
 from normprobe.models import TinyTransformer
+from normprobe.reinit import deepnorm_constants
 
 IDS = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
 
@@ -99,7 +100,7 @@ def test_deepnorm_reports_each_third_of_a_fused_qkv_and_the_fixed_scalers() -> N
     model = TinyTransformer(depth=6, placement="post")
     model, report = reinit_with_report(model, "deepnorm", example_inputs=(IDS,))
     check_reinit_report(model, report)
-    alpha, beta = normprobe.init.deepnorm_constants(6)
+    alpha, beta = deepnorm_constants(6)
     qkv = [c for c in report.changed if c.path == "blocks.2.attn.qkv.weight"]
     assert [c.outputs for c in qkv] == [(0, 64), (64, 128), (128, 192)]
     assert [c.treatment.std for c in qkv] == pytest.approx([1 / 8, 1 / 8, beta / 8])

@@ -36,7 +36,7 @@ from torch import nn
 
 import normprobe
 from normprobe import ModelMap
-from normprobe.init import SCHEMES
+from normprobe.reinit import SCHEMES
 from normprobe.surgery import TARGETS
 
 # Models whose norms normalize the last dim of each token (channels-last).

@@ -5,7 +5,7 @@
 * `layers`: each weight layer's forward and backward gain, and the layers and blocks that jump;
 * `checks`: one file per check, holding its title, thresholds and logic; `checks.REGISTRY`;
 * `inputs`: the batch and the loss; `result`: `Finding`, `Diagnosis` and its JSON document;
-* `weights`: what the checks read from the weights (`normprobe.init`'s helpers);
+* `weights`: what the checks read from the weights (`normprobe.reinit`'s helpers);
 * `cli`: ``normprobe diagnose module:function``.
 """
 

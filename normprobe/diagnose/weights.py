@@ -1,4 +1,4 @@
-"""What `diagnose` reads from the weights, through `normprobe.init`'s helpers (imported here only).
+"""What `diagnose` reads from the weights, through `normprobe.reinit`'s helpers.
 
 Which modules are weight layers, a layer's fan-in gain, and which branches carry DeepNorm's
 fixed scales.
@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from ..init import branch_scales, is_weight_layer, out_in_view
+from ..reinit import branch_scales, is_weight_layer, out_in_view
 
 
 def weight_layer_paths(modules: dict[str, nn.Module]) -> list[str]:
