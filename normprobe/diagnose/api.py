@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from .. import common
-from ..discovery import DiscoveryWarning, ModelMap
-from ..discovery.state import preserved
+from ..discovery import DiscoveryWarning, ModelMap, preserved
 from ..runtime import Probe
 from .capture import Capture, capturing
 from .checks import REGISTRY, Context

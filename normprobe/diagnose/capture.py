@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ..discovery import ModelMap
-from ..discovery.trace import first_float
+from ..nested import first_float
 from .layers import LayerCapture, capture_layers
 from .weights import fan_in_gain, weight_layer_paths
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..discovery.trace import iter_tensors
+from ..nested import iter_tensors
 from .result import DiagnoseInputError
 
 Batch = torch.Tensor | tuple[Any, ...] | list[Any] | dict[str, Any]

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..discovery import ModelMap
-from ..discovery.trace import first_float
+from ..nested import first_float
 
 # A healthy model's gains stay near their peers' median: at init the peers draw their weights
 # from one distribution. The largest factor measured at init on TinyTransformer (Pre-LN, Post-LN,

@@ -1,10 +1,46 @@
-"""Discovery: what a model contains (norms, stacks, residual adds, attention, output head)."""
+"""Discovery: what a model contains (norms, stacks, residual adds, attention, output head).
 
+What the rest of normprobe uses of it is exported here: `discover` and the map's types; running
+a model without changing it (`read_only`, `preserved`); the doubts a map reports and the
+refusals they cause (`refusal`, `block_glob`, `DEPTH_DOUBTS`, `Action`); and, for reading
+attention logits inside a forward, the ops discovery tells apart by name and its rules for
+following logits (`carries_logits`, `mixes_heads`, `scripted_functions_as_python`).
+"""
+
+from .attention import LOGIT_MASK_OPS, LOGIT_SCALE_OPS, carries_logits, mixes_heads
 from .builder import DiscoveryWarning
-from .mapping import discover, discover_on_carried, discover_on_first_forward
-from .model_map import Anchor, Attention, Doubt, ModelMap, NormLayer, ResidualAdd, Stack
+from .doubts import DEPTH_DOUBTS, block_glob, refusal
+from .mapping import (
+    discover,
+    discover_on_carried,
+    discover_on_first_forward,
+    read_only,
+)
+from .model_map import (
+    Action,
+    Anchor,
+    Attention,
+    Doubt,
+    ModelMap,
+    NormLayer,
+    ResidualAdd,
+    Stack,
+)
+from .ops import ADD_OPS, FIRST_ONLY_OPS, MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, WEIGHT_OPS
+from .state import preserved
+from .trace import scripted_functions_as_python
 
 __all__ = [
+    "ADD_OPS",
+    "DEPTH_DOUBTS",
+    "FIRST_ONLY_OPS",
+    "LOGIT_MASK_OPS",
+    "LOGIT_SCALE_OPS",
+    "MATMUL_OPS",
+    "SDPA_OPS",
+    "SOFTMAX_OPS",
+    "WEIGHT_OPS",
+    "Action",
     "Anchor",
     "Attention",
     "DiscoveryWarning",
@@ -13,7 +49,14 @@ __all__ = [
     "NormLayer",
     "ResidualAdd",
     "Stack",
+    "block_glob",
+    "carries_logits",
     "discover",
     "discover_on_carried",
     "discover_on_first_forward",
+    "mixes_heads",
+    "preserved",
+    "read_only",
+    "refusal",
+    "scripted_functions_as_python",
 ]

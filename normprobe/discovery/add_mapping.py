@@ -7,10 +7,11 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from .graph import Graph
 from .model_map import Anchor, Doubt, NormLayer, ResidualAdd
+from .ops import ADD_OPS
 from .residual import FoundAdd
 from .scene import Scene, Where, within
-from .trace import ADD_OPS, Graph
 
 
 def add_where(scene: Scene, a: FoundAdd) -> Where:

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from .graph import Graph
 from .model_map import AttentionImpl
-from .trace import ADD_OPS, EXACT_VIEW_OPS, MATMUL_OPS, SCALE_OPS, SOFTMAX_OPS, Graph
+from .ops import ADD_OPS, EXACT_VIEW_OPS, MATMUL_OPS, SCALE_OPS, SOFTMAX_OPS
 
 # Between a q·k product and its softmax, any op that keeps the logits' layout carries them on
 # (`carries_logits`): elementwise ops (nan_to_num, clamp, soft-capping, casts, a mask or bias

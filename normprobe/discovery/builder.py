@@ -12,6 +12,7 @@ from torch import nn
 from .add_mapping import add_where, map_add, unattached_writers
 from .attention import find_attention
 from .doubts import doubts, merged
+from .graph import Graph
 from .model_map import Attention, ModelMap, NormLayer, ResidualAdd
 from .norm_finding import find_norms
 from .residual import find_residual_adds
@@ -19,7 +20,6 @@ from .roles import AddNorms, norm_roles
 from .scene import Scene
 from .stack_finding import find_stacks, map_stack, nested_doubts
 from .stacks import stream_runs
-from .trace import Graph
 
 
 class DiscoveryWarning(UserWarning):

@@ -14,10 +14,11 @@ from torch.utils.hooks import RemovableHandle
 
 from . import norms as norm_rules
 from .builder import build_map
+from .graph import Graph
 from .model_map import ModelMap
 from .stacks import skipped_blocks, structural_stacks
 from .state import preserved
-from .trace import Graph, trace
+from .trace import trace
 
 
 def discover(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> ModelMap:

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .table import table
+from ..tables import table
 
 NormKind = Literal[
     "batchnorm", "layernorm", "rmsnorm", "groupnorm", "instancenorm", "dyt", "unknown"

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from . import norms as norm_rules
+from .graph import Graph
 from .model_map import EpsPlacement, NormKind, NormLayer
+from .ops import ADD_OPS
 from .scene import Scene, within
-from .trace import ADD_OPS, Graph
 
 _MUL_OPS = frozenset({"mul", "__mul__", "__rmul__", "mul_", "__imul__"})
 # Ops that keep a tensor's values and layout (but maybe not its dtype).

@@ -21,9 +21,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.utils import parametrizations, parametrize
 
+from ..nested import first_float, iter_tensors, replace_at
 from .model_map import EpsPlacement, NormKind
 from .state import preserved
-from .trace import first_float, iter_tensors, replace_at
 
 TORCH_KINDS: tuple[tuple[type[nn.Module], NormKind], ...] = (
     (nn.modules.instancenorm._InstanceNorm, "instancenorm"),

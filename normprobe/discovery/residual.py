@@ -40,7 +40,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .attention import logit_nodes
-from .trace import ADD_OPS, SCALE_OPS, Graph
+from .graph import Graph
+from .ops import ADD_OPS, SCALE_OPS
 
 # Ops taking part of a tensor: a skip read through one still reads the tensor's stream.
 SLICE_OPS = frozenset({"__getitem__", "narrow"})

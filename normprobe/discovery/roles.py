@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .graph import Graph
 from .model_map import NormLayer, NormRole
+from .ops import MATMUL_OPS, SCALE_OPS, SDPA_OPS, SOFTMAX_OPS
 from .residual import FoundAdd
 from .scene import Scene
-from .trace import MATMUL_OPS, SCALE_OPS, SDPA_OPS, SOFTMAX_OPS, Graph
 
 AddNorms = dict[int, dict[str, str]]  # by add: "pre_norm" / "post_norm" / "sandwich_norm" -> path
 

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..nested import Key
+from .graph import Graph
 from .residual import FoundAdd
 from .stacks import FoundStack
-from .trace import Graph, Key
 
 Where = tuple[str | None, int | None]  # (stack, block) of an add or module; (None, None): none
 # a boundary event: (node, hook, call, key) of where a value is seen at a module's boundary

@@ -14,8 +14,9 @@ from typing import Any
 
 from torch import nn
 
+from ..nested import Key
+from .graph import Call, Graph
 from .residual import FoundAdd
-from .trace import Call, Graph, Key
 
 _GENERIC = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 

@@ -12,7 +12,6 @@ import math
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -23,151 +22,22 @@ from torch.nn.utils.weight_norm import WeightNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-ADD_OPS = frozenset({"add", "add_", "__add__", "__radd__", "__iadd__"})
-# Ops whose output holds the same values as their input (a residual read through them is exact).
-EXACT_VIEW_OPS = frozenset(
-    {
-        "view",
-        "reshape",
-        "view_as",
-        "reshape_as",
-        "permute",
-        "transpose",
-        "t",
-        "contiguous",
-        "clone",
-        "detach",
-        "flatten",
-        "squeeze",
-        "unsqueeze",
-        "to",
-        "float",
-        "type_as",
-        "type",
-    }
+from ..nested import iter_tensors
+from .graph import Call, Graph
+from .ops import (
+    ADD_OPS,
+    BROADCAST_OPS,
+    EXACT_VIEW_OPS,
+    FIRST_ONLY_OPS,
+    IGNORED_OPS,
+    MHA_OPS,
+    PASS_OPS,
+    SCALE_OPS,
+    SDPA_OPS,
+    SHAPE_ONLY_OPS,
+    SOFTMAX_OPS,
+    WEIGHT_OPS,
 )
-# Ops looked through when deciding what an operand derives from, but not value-preserving.
-PASS_OPS = frozenset(
-    {"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"}
-)
-SCALE_OPS = frozenset({"mul", "__mul__", "__rmul__", "div", "__truediv__", "mul_", "__imul__"})
-MATMUL_OPS = frozenset({"matmul", "__matmul__", "bmm", "einsum", "baddbmm"})
-# Ops that apply a parameter as a weight (a matrix, kernel or table), whatever view of it.
-WEIGHT_OPS = frozenset(
-    {
-        "linear",
-        "bilinear",
-        "conv1d",
-        "conv2d",
-        "conv3d",
-        "conv_transpose1d",
-        "conv_transpose2d",
-        "conv_transpose3d",
-        "matmul",
-        "__matmul__",
-        "__rmatmul__",
-        "mm",
-        "bmm",
-        "addmm",
-        "addbmm",
-        "baddbmm",
-        "einsum",
-        "tensordot",
-        "embedding",
-        "embedding_bag",
-        # a stack of expert matrices applied to groups of rows (transformers' grouped_mm experts)
-        "grouped_mm",
-        "_grouped_mm",
-        "grouped_mm_fallback",
-    }
-)
-# nn.MultiheadAttention's functional forms: what they write comes through ``out_proj_weight``.
-MHA_OPS = {"multi_head_attention_forward": 11, "_native_multi_head_attention": 7}
-SOFTMAX_OPS = frozenset({"softmax", "_softmax", "special_softmax"})
-# Ops whose output takes only the shape (and dtype) of their input, none of its values.
-SHAPE_ONLY_OPS = frozenset(
-    {
-        "zeros_like",
-        "ones_like",
-        "empty_like",
-        "full_like",
-        "rand_like",
-        "randn_like",
-        "randint_like",
-        "new_zeros",
-        "new_ones",
-        "new_empty",
-        "new_full",
-    }
-)
-# The tensors after the first only lend these their dtype, device or shape (``x.type_as(y)``).
-FIRST_ONLY_OPS = frozenset({"type_as", "view_as", "reshape_as", "expand_as", "to"})
-# A parameter broadcast over the batch by these (a class token) starts a stream of its own.
-BROADCAST_OPS = frozenset({"expand", "expand_as", "repeat", "tile", "broadcast_to"})
-SDPA_OPS = frozenset({"scaled_dot_product_attention"})
-# Tensor methods that do no computation worth recording.
-_IGNORED = frozenset(
-    {
-        "__set__",
-        "size",
-        "dim",
-        "numel",
-        "__len__",
-        "is_floating_point",
-        "is_complex",
-        "__format__",
-        "__repr__",
-        "item",
-        "tolist",
-        "data_ptr",
-        "stride",
-        "storage_offset",
-        "is_contiguous",
-        "element_size",
-        "get_device",
-        "__bool__",
-        "__index__",
-        "__int__",
-        "__float__",
-        "__hash__",
-    }
-)
-
-Key = tuple[str | int, ...]
-
-
-def iter_tensors(obj: Any, prefix: Key = ()) -> Iterator[tuple[Key, torch.Tensor]]:
-    """Yield (key path, tensor) for tensors nested in tuples, lists and dicts (ModelOutput too)."""
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            if isinstance(k, str | int):
-                yield from iter_tensors(v, (*prefix, k))
-    elif isinstance(obj, tuple | list):
-        for i, v in enumerate(obj):
-            yield from iter_tensors(v, (*prefix, i))
-
-
-def get_by_key(obj: Any, key: Key) -> Any:
-    """Follow a key path produced by `iter_tensors`."""
-    for k in key:
-        obj = obj[k]
-    return obj
-
-
-def replace_at(obj: Any, key: Key, value: Any) -> Any:
-    """A copy of nested tuples, lists and dicts ``obj`` with the entry at ``key`` replaced."""
-    if not key:
-        return value
-    head, rest = key[0], key[1:]
-    if isinstance(obj, tuple):
-        return tuple(replace_at(v, rest, value) if i == head else v for i, v in enumerate(obj))
-    if isinstance(obj, list):
-        return [replace_at(v, rest, value) if i == head else v for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        return {k: replace_at(v, rest, value) if k == head else v for k, v in obj.items()}
-    return obj
 
 
 def applied_as(module: nn.Module, path: str, attr: str) -> tuple[str, str]:
@@ -181,104 +51,6 @@ def applied_as(module: nn.Module, path: str, attr: str) -> tuple[str, str]:
         if isinstance(hook, WeightNorm) and attr in (f"{hook.name}_g", f"{hook.name}_v"):
             return path, hook.name
     return path, attr
-
-
-def first_float(obj: Any) -> torch.Tensor | None:
-    """The first floating-point tensor in nested tuples, lists and dicts (or ``obj`` itself)."""
-    first = obj  # the common case, a tensor first in (args, kwargs), without a generator
-    while isinstance(first, tuple | list) and first:
-        first = first[0]
-    if isinstance(first, torch.Tensor) and first.is_floating_point():
-        return first
-    for _, t in iter_tensors(obj):
-        if t.is_floating_point():
-            return t
-    return None
-
-
-@dataclass
-class Call:
-    """One call of one module during the traced forward."""
-
-    path: str
-    module: nn.Module
-    index: int  # how many times this module was called before
-    parent: int | None  # enclosing call
-    first_node: int  # nodes created during the call have ids >= first_node
-    end_node: int = -1
-    in_nodes: list[int] = field(default_factory=list)  # every floating-point tensor input
-    in_keys: list[Key] = field(default_factory=list)  # where each of them was passed
-    out_nodes: list[int] = field(default_factory=list)  # every floating-point tensor output
-    inputs: tuple[Any, Any] | None = None  # (args, kwargs), kept only for capture candidates
-
-
-@dataclass
-class Graph:
-    """Dataflow of one forward, one entry per tensor value (node)."""
-
-    op: list[str] = field(default_factory=list)
-    inputs: list[tuple[int, ...]] = field(default_factory=list)  # activation inputs only
-    act: list[bool] = field(default_factory=list)  # derives from the model's inputs
-    param_const: list[bool] = field(default_factory=list)  # a parameter or derived from them only
-    uses_param: list[bool] = field(default_factory=list)  # an activation op reading a parameter
-    alias: list[int] = field(default_factory=list)  # root through view/dropout/scalar-scale ops
-    alias_parent: list[int] = field(default_factory=list)  # previous node on that chain
-    factor: list[float] = field(default_factory=list)  # constant factor from `alias_parent`
-    exact: list[int] = field(default_factory=list)  # root through value-preserving views only
-    call: list[int | None] = field(default_factory=list)  # innermost module call
-    owner: list[str | None] = field(default_factory=list)  # module owning the parameter read
-    # qualified names of the parameters a node reads or derives from (through views, slices)
-    param_src: list[tuple[str, ...]] = field(default_factory=list)
-    # for an op applying parameters as weights: their qualified names (empty for other ops)
-    weight: list[tuple[str, ...]] = field(default_factory=list)
-    # for such an op: the shapes of the parameters it applies as matrices or kernels
-    weight_shapes: dict[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
-    shape: list[tuple[int, ...]] = field(default_factory=list)
-    floating: list[bool] = field(default_factory=list)  # holds floating-point values
-    adds: list[tuple[int, int, int]] = field(default_factory=list)  # (out, left, right)
-    # for each add's output: how many tensor-tensor adds ran before it in its call's extent
-    add_order: dict[int, int] = field(default_factory=dict)
-    softmaxes: list[int] = field(default_factory=list)
-    sdpa_calls: list[int | None] = field(default_factory=list)  # call of each sdpa op
-    sdpa_queries: list[tuple[int, ...]] = field(default_factory=list)  # its query's shape
-    calls: list[Call] = field(default_factory=list)
-    # first module boundary where a node's value is seen: node -> (sequence, hook, call id, key)
-    boundary: dict[int, tuple[int, str, int, Key]] = field(default_factory=dict)
-    root_outputs: list[tuple[Key, int]] = field(default_factory=list)  # (key, node) of the output
-
-    def __len__(self) -> int:
-        return len(self.op)
-
-    def first_calls(self) -> dict[str, int]:
-        """Each called module's path -> the index in `calls` of its first call."""
-        first: dict[str, int] = {}
-        for cid, call in enumerate(self.calls):
-            first.setdefault(call.path, cid)
-        return first
-
-    def region(self, start: int, floor: int) -> tuple[set[int], set[int]]:
-        """Walk back from `start` through activation inputs, visiting nodes above `floor`.
-
-        Returns the visited nodes and the frontier: the nodes at or below `floor` reached.
-        Node ids are topologically ordered, so everything an op computed from lies below it.
-        """
-        seen: set[int] = set()
-        frontier: set[int] = set()
-        todo = [start]
-        while todo:
-            n = todo.pop()
-            if n <= floor:
-                frontier.add(n)
-                continue
-            if n in seen:
-                continue
-            seen.add(n)
-            todo.extend(self.inputs[n])
-        return seen, frontier
-
-    def path_of(self, node: int) -> str | None:
-        c = self.call[node]
-        return None if c is None else self.calls[c].path
 
 
 class _Op(NamedTuple):
@@ -473,7 +245,7 @@ class _Recorder(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in _IGNORED:
+        if name in IGNORED_OPS:
             return func(*args, **kwargs)
         # Inputs are resolved before the call: an in-place op rebinds its tensor to a new node.
         in_tensors = [t for _, t in iter_tensors((args, kwargs))]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .. import probes, tags
-from ..discovery.trace import iter_tensors
+from ..nested import iter_tensors
 from .base import MODEL, PROBLEM, Family, Flag, Out, Plan, Run, Series, Side, Values
 from .grads import GradSquares
 from .streams import Streams

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..discovery.table import table
+from ..tables import table
 
 __all__ = ["ReinitReport", "TensorInit", "Treatment"]
 

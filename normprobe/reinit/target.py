@@ -21,16 +21,17 @@ from torch.utils.hooks import RemovableHandle
 
 from ..common import example_call
 from ..discovery import (
+    DEPTH_DOUBTS,
+    Action,
     DiscoveryWarning,
     ModelMap,
     NormLayer,
     ResidualAdd,
     discover,
     discover_on_carried,
+    read_only,
+    refusal,
 )
-from ..discovery.doubts import DEPTH_DOUBTS, refusal
-from ..discovery.mapping import read_only
-from ..discovery.model_map import Action
 from ..layers.branch_scale import Wrapper
 from .report import Recorder, constant
 from .weights import Applied, direct_params, is_bias_name, is_layer

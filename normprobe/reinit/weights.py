@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _WeightNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from ..discovery.state import preserved
+from ..discovery import preserved
 
 _TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, *_TRANSPOSED_CONVS)

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..discovery.trace import iter_tensors
 from ..metrics.base import GradientReader, Side
+from ..nested import iter_tensors
 
 Watchers = list[tuple[int, Side]]  # (module index, side) of the modules a tensor belongs to
 

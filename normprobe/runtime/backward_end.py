@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..discovery.trace import iter_tensors
+from ..nested import iter_tensors
 from .hooks import ProbeHook
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from ..discovery.trace import first_float, get_by_key
+from ..nested import first_float, get_by_key
 from .backward import Gradients
 from .modes import AddCounter, AttentionLogits
 

@@ -20,17 +20,20 @@ from torch.overrides import (
 )
 
 from .. import probes
-from ..discovery.attention import LOGIT_MASK_OPS, LOGIT_SCALE_OPS, carries_logits, mixes_heads
-from ..discovery.trace import (
+from ..discovery import (
     ADD_OPS,
     FIRST_ONLY_OPS,
+    LOGIT_MASK_OPS,
+    LOGIT_SCALE_OPS,
     MATMUL_OPS,
     SDPA_OPS,
     SOFTMAX_OPS,
     WEIGHT_OPS,
-    iter_tensors,
+    carries_logits,
+    mixes_heads,
     scripted_functions_as_python,
 )
+from ..nested import iter_tensors
 
 
 class AddCounter(TorchFunctionMode):

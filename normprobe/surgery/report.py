@@ -9,7 +9,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..discovery.table import table
+from ..tables import table
 from .targets import Target
 
 _PACKAGE = os.path.dirname(__file__)

@@ -13,8 +13,15 @@ import torch
 from torch import nn
 
 from ..common import example_call
-from ..discovery import DiscoveryWarning, ModelMap, NormLayer, discover, discover_on_carried
-from ..discovery.doubts import block_glob, refusal
+from ..discovery import (
+    DiscoveryWarning,
+    ModelMap,
+    NormLayer,
+    block_glob,
+    discover,
+    discover_on_carried,
+    refusal,
+)
 from ..layers import DyT
 from .report import ConversionReport, warn
 from .targets import POSITIONS, ROLES, Target

@@ -10,7 +10,7 @@ from torch import nn
 
 from ... import tags
 from ...discovery import ModelMap
-from ...discovery.table import collapse_indices
+from ...tables import collapse_indices
 from ..capture import Capture
 from ..layers import Jump, layer_jumps, stream_jumps
 from ..result import Finding

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...discovery.trace import iter_tensors, replace_at
+from ...nested import iter_tensors, replace_at
 from ..result import Finding
 from .base import Check, CheckResult, Context, collapse_paths
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ...discovery import ResidualAdd
-from ...discovery.trace import first_float, iter_tensors, replace_at
+from ...nested import first_float, iter_tensors, replace_at
 from ..target import Target, removing
 from ..weights import out_dim
 
