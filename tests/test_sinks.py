@@ -131,7 +131,9 @@ def test_the_next_drawing_waits_until_its_cpu_time_is_the_budgets_share(
     now = [0.0]
     cpu = itertools.count(step=0.5)
     fake = SimpleNamespace(monotonic=lambda: now[0], thread_time=lambda: next(cpu))
-    monkeypatch.setattr(sinks, "time", fake)
+    # the sink reads the clock, its drawing thread the CPU time and the clock
+    monkeypatch.setattr(sinks.tensorboard, "time", fake)
+    monkeypatch.setattr(sinks.heatmaps, "time", fake)
     sink = TensorBoardSink(
         log_dir=str(tmp_path), heatmap_every=1, heatmap_seconds=10.0, heatmap_cpu=0.01
     )

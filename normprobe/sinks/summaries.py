@@ -1,0 +1,215 @@
+"""What a `TensorBoardSink` writes besides the scalars: the custom-scalars layout and its
+summary series, the depth profiles `report` reads, the heatmaps' tags, and fast checksums."""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import google_crc32c
+from tensorboard.compat.proto.summary_pb2 import Summary
+
+from .. import tags
+from ..common import spread
+from ..metrics import SERIES
+
+# A chart of the custom-scalars dashboard: (category, title, regex of the tags it draws).
+Chart = tuple[str, str, str]
+
+# the run's health first: what `report` flags on, then the loss where the trainer logs one
+SUMMARY = (
+    ("gradient ratio, last / first block", "grad_ratio"),
+    ("residual growth, last / first block", "resid_growth"),
+    ("max attention logit", "attn_logit_max"),
+    ("modules with NaN/Inf outputs", "nonfinite"),
+)
+LOSS_REGEX = r"^(train/loss|train_loss|loss)$"
+# the summary draws these ratios as log2 (``normprobe/summary/<series>_log2/<stack>``): a run at
+# 100 and one at 0.5 both read on one axis
+LOG2 = ("grad_ratio", "resid_growth")
+# and these per-module series as each stack's largest (``normprobe/summary/<series>/<stack>``)
+STACK_MAX = ("attn_logit_max",)
+# Custom Scalars charts of a per-block series: this many blocks spread over the depth, one chart
+# each (TensorBoard colours a chart's lines by run, without a legend)
+CHART_BLOCKS = 4
+PROFILE_PLUGIN = "normprobe_profile"  # a depth profile, for `report`; TensorBoard shows none
+# heatmaps keep at most this many logged steps (halved, keeping every other, when full)
+HEATMAP_COLUMNS = 256
+HEATMAP_MIN_COLUMNS = 4  # fewer logged steps say nothing a line chart does not
+HISTORY = 32  # logged steps of each scalar kept to judge flags as the run goes
+# the Images tab sorts tags by name: heatmaps are ranked, gradient norms first, per-head last
+HEATMAP_ORDER = (
+    ["grad_norm"]
+    + [n for n, s in SERIES.items() if n != "grad_norm" and not s.heads]
+    + [n for n, s in SERIES.items() if s.heads]
+)
+# a heatmap's colour bar: the metric and its unit
+LABELS = {
+    "grad_norm": "gradient L2 norm",
+    "resid_rms": "residual stream RMS",
+    "resid_cos": "cosine, stream in vs out",
+    "outlier_ratio": "max |x| / median |x|",
+    "outlier_channel": "channel of max |x|",
+    "outlier_kurtosis": "kurtosis of channel RMS",
+    "update_ratio": "|Δw| / |w| per step",
+    "weight_rms": "parameter RMS",
+    "attn_logits_head": "max |q·k|·scale",
+}
+
+
+def heatmap_tag(series: str, stack: str, layer: str = "") -> str:
+    """The Images tab's tag of the heatmap of ``series`` over ``stack`` (per-head series: its
+    ``layer`` in the blocks): ``normprobe/heatmap/<rank>_<series>/<stack>[/<layer>]``, ranked by
+    `HEATMAP_ORDER` since TensorBoard sorts images by tag."""
+    rank = HEATMAP_ORDER.index(series) if series in HEATMAP_ORDER else len(HEATMAP_ORDER)
+    return tags.format("heatmap", f"{rank:02d}_{series}/{stack}" + (f"/{layer}" if layer else ""))
+
+
+def custom_scalars_layout(scalars: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
+    """The custom-scalars dashboard: the summary, then the charts of each series and stack."""
+    names = list(scalars)
+    summary: dict[str, list[Any]] = {}
+    for title, series in SUMMARY:
+        if series in LOG2:
+            summary[f"log2 {title} (0: even)"] = _chart(_summary_prefix(f"{series}_log2") + ".*")
+        elif series in STACK_MAX:
+            summary[f"{title} (each stack's largest)"] = _chart(_summary_prefix(series) + ".*")
+        elif len(found := [t for t in names if t.startswith(tags.prefix(series))]) > 1:
+            for tag in found:  # a chart per tag: NaN/Inf in outputs, in gradients
+                subject = tag.removeprefix(tags.prefix(series))
+                summary[f"{title}: {subject}"] = _chart(re.escape(tag))
+        else:
+            summary[title] = _chart(re.escape(tags.prefix(series)) + ".*")
+    summary["loss"] = ["Multiline", [LOSS_REGEX]]
+    categories: dict[str, dict[str, list[Any]]] = {f"{tags.PREFIX} summary": summary}
+    for category, title, regex in charts(names):
+        categories.setdefault(category, {})[title] = ["Multiline", [regex]]
+    return categories
+
+
+def _chart(regex: str) -> list[Any]:
+    """A multi-line chart of the tags that ``regex`` matches whole."""
+    return ["Multiline", [f"^{regex}$"]]
+
+
+def _summary_prefix(name: str) -> str:
+    return re.escape(tags.prefix("summary", name))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _companion(tag: str) -> tuple[str, str] | None:
+    """The summary tag ``tag``'s value goes to, and how: ``log2`` or ``max`` (over a stack)."""
+    t = tags.parse(tag)
+    if t is None:
+        return None
+    if t.series in LOG2 and t.block is None:
+        return tags.format("summary", f"{t.series}_log2/{t.subject}"), "log2"
+    if t.series in STACK_MAX:
+        return tags.format("summary", f"{t.series}/{t.subject}"), "max"
+    return None
+
+
+def companions(scalars: dict[str, float]) -> dict[str, float]:
+    """The summary's own tags: log2 of the `LOG2` ratios, each stack's largest `STACK_MAX`."""
+    out: dict[str, float] = {}
+    for tag, value in scalars.items():
+        found = _companion(tag)
+        if found is None:
+            continue
+        name, how = found
+        if how == "log2":
+            out[name] = math.log2(value) if value > 0 and math.isfinite(value) else math.nan
+        elif not value <= out.get(name, -math.inf):  # NaN and Inf win: they are the news
+            out[name] = value
+    return out
+
+
+def profile_summary(profiles: dict[str, list[float]]) -> Summary:
+    """The depth profiles as float tensors under a plugin TensorBoard has no dashboard for."""
+    from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+    from tensorboard.compat.proto.types_pb2 import DT_FLOAT
+
+    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=PROFILE_PLUGIN))
+    return Summary(
+        value=[
+            Summary.Value(
+                tag=tag,
+                metadata=metadata,
+                tensor=TensorProto(
+                    dtype=DT_FLOAT,
+                    tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=len(values))]),
+                    float_val=values,
+                ),
+            )
+            for tag, values in profiles.items()
+        ]
+    )
+
+
+def masked_crc32c(data: bytes) -> int:
+    """TFRecord's masked CRC-32C of ``data``, computed in C."""
+    crc = int(google_crc32c.value(data))
+    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def use_fast_checksums() -> None:
+    """Give TensorBoard's record writer `masked_crc32c`.
+
+    Without TensorFlow, TensorBoard checksums every record in pure Python: about 1 ms per
+    15 KB, in the writer's thread but holding the GIL, so a training loop logging a few hundred
+    scalars a step waits for it. The C version gives the same checksums, bit for bit.
+    """
+    from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+    from tensorboard.summary.writer import record_writer
+
+    if record_writer.masked_crc32c is pywrap_tensorflow.masked_crc32c:
+        record_writer.masked_crc32c = masked_crc32c
+
+
+def depth_histogram(writer: Any, tag: str, values: list[float], step: int) -> None:
+    """A histogram whose bucket i holds block i's value: the metric against depth."""
+    finite = [v if v == v and abs(v) != float("inf") else 0.0 for v in values]
+    if not finite:
+        return
+    # bucket i spans (i, i + 1]: every block gets the same width on the depth axis
+    writer.add_histogram_raw(
+        tag,
+        min=0.0,
+        max=float(len(finite)),
+        num=float(sum(finite)),
+        sum=float(sum((i + 0.5) * v for i, v in enumerate(finite))),
+        sum_squares=float(sum((i + 0.5) ** 2 * v for i, v in enumerate(finite))),
+        bucket_limits=[float(i + 1) for i in range(len(finite))],
+        bucket_counts=finite,
+        global_step=step,
+    )
+
+
+def charts(scalars: Iterable[str]) -> list[Chart]:
+    """The custom-scalars charts of a record's tags, in the families' order: one per stack-wide
+    or module tag, and per series and stack (and position within the blocks, for modules) one
+    for each of `CHART_BLOCKS` blocks spread over the depth. Each chart holds one tag, a line
+    per run: TensorBoard colours lines by run and shows no legend but the runs' list."""
+    found: dict[tuple[str, str], str] = {}
+    per_block: dict[tuple[str, str, str | None], dict[int, str]] = {}
+    for tag in scalars:
+        t = tags.parse(tag)
+        if t is None or t.series == "summary":
+            continue
+        if t.block is None:
+            found[(t.series, t.subject)] = "^" + re.escape(tag) + "$"
+        else:
+            per_block.setdefault((t.series, t.subject, t.layer), {})[t.block] = tag
+    for (series, _, _), by_block in per_block.items():
+        blocks = sorted(by_block)
+        for k in spread(len(blocks), CHART_BLOCKS):
+            tag = by_block[blocks[k]]
+            found[(series, tag.split("/", 2)[2])] = "^" + re.escape(tag) + "$"
+    order = {name: i for i, name in enumerate(SERIES)}
+    ranked = sorted(found.items(), key=lambda item: order.get(item[0][0], len(order)))
+    return [(f"{tags.PREFIX} {series}", title, regex) for (series, title), regex in ranked]
