@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .. import tags
 from ..metrics.base import Points
@@ -73,27 +74,8 @@ def read_events(run: Path) -> Events:
     for f in files:
         acc = ea.EventAccumulator(str(f), size_guidance=everything, purge_orphaned_data=False)
         acc.Reload()
-        tags_here = acc.Tags()
-        for t in tags_here[ea.SCALARS]:
-            values = scalars.setdefault(t, {})
-            for e in acc.Scalars(t):
-                if t.startswith(PREFIX) and e.step in values:
-                    repeated.add(e.step)
-                values[e.step] = float(e.value)
-        for t in tags_here[ea.HISTOGRAMS]:  # the depth view of runs written before 0.1
-            if t.startswith(PREFIX):
-                for e in acc.Histograms(t):
-                    buckets = [float(b) for b in e.histogram_value.bucket]
-                    histograms.setdefault(t, {})[e.step] = buckets
-        for t in tags_here[ea.TENSORS]:
-            if acc.SummaryMetadata(t).plugin_data.plugin_name == PROFILE_PLUGIN:
-                for e in acc.Tensors(t):
-                    histograms.setdefault(t, {})[e.step] = list(e.tensor_proto.float_val)
-        for t in tags_here[ea.TENSORS]:
-            if t.startswith(PREFIX) and t.endswith("/text_summary"):
-                for e in acc.Tensors(t):
-                    text = b"".join(e.tensor_proto.string_val).decode("utf-8", "replace")
-                    texts.setdefault(t.removesuffix("/text_summary"), {})[e.step] = text
+        repeated |= _read_scalars(acc, scalars)
+        _read_tensors(acc, histograms, texts)
     return Events(
         len(files),
         {t: sorted(v.items()) for t, v in scalars.items()},
@@ -101,6 +83,43 @@ def read_events(run: Path) -> Events:
         {t: sorted(v.items()) for t, v in texts.items()},
         sorted(repeated),
     )
+
+
+def _read_scalars(acc: Any, scalars: dict[str, dict[int, float]]) -> set[int]:
+    """One event file's scalars into ``scalars``; the logged steps it repeats."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    repeated = set()
+    for t in acc.Tags()[ea.SCALARS]:
+        values = scalars.setdefault(t, {})
+        for e in acc.Scalars(t):
+            if t.startswith(PREFIX) and e.step in values:
+                repeated.add(e.step)
+            values[e.step] = float(e.value)
+    return repeated
+
+
+def _read_tensors(
+    acc: Any, histograms: dict[str, dict[int, list[float]]], texts: dict[str, dict[int, str]]
+) -> None:
+    """One event file's depth profiles (and the histograms of runs written before 0.1) into
+    ``histograms``, its texts into ``texts``."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    tags_here = acc.Tags()
+    for t in tags_here[ea.HISTOGRAMS]:  # the depth view of runs written before 0.1
+        if t.startswith(PREFIX):
+            for e in acc.Histograms(t):
+                buckets = [float(b) for b in e.histogram_value.bucket]
+                histograms.setdefault(t, {})[e.step] = buckets
+    for t in tags_here[ea.TENSORS]:
+        if acc.SummaryMetadata(t).plugin_data.plugin_name == PROFILE_PLUGIN:
+            for e in acc.Tensors(t):
+                histograms.setdefault(t, {})[e.step] = list(e.tensor_proto.float_val)
+        elif t.startswith(PREFIX) and t.endswith("/text_summary"):
+            for e in acc.Tensors(t):
+                text = b"".join(e.tensor_proto.string_val).decode("utf-8", "replace")
+                texts.setdefault(t.removesuffix("/text_summary"), {})[e.step] = text
 
 
 def _written_at(path: Path) -> tuple[float, str]:

@@ -156,18 +156,7 @@ class TensorBoardSink:
                 add(tag=tag, simple_value=value)
             self.writer._get_file_writer().add_summary(summary, record.step)
         if record.profiles:
-            self.writer._get_file_writer().add_summary(
-                profile_summary(record.profiles), record.step
-            )
-        for tag, values in record.profiles.items():
-            parsed = tags.parse(tag)
-            series = SERIES.get(parsed.series) if parsed is not None else None
-            if parsed is not None and series is not None and series.heads:
-                self._keep_heads(parsed, values)
-                continue
-            if self.depth_histograms:
-                depth_histogram(self.writer, tag, values, record.step)
-            self._keep_column(tag, record.step, values)
+            self._write_profiles(record)
         for tag, text in record.texts.items():
             self.writer.add_text(tag, text, record.step)
             self._texts.setdefault(tag, []).append((record.step, text))
@@ -177,6 +166,19 @@ class TensorBoardSink:
         if self.heatmap_every and self._records % self.heatmap_every == 0:
             self._judge_flags()
             self._start_render()
+
+    def _write_profiles(self, record: Record) -> None:
+        """The depth profiles, for `report`, and their columns kept for the heatmaps."""
+        self.writer._get_file_writer().add_summary(profile_summary(record.profiles), record.step)
+        for tag, values in record.profiles.items():
+            parsed = tags.parse(tag)
+            series = SERIES.get(parsed.series) if parsed is not None else None
+            if parsed is not None and series is not None and series.heads:
+                self._keep_heads(parsed, values)
+                continue
+            if self.depth_histograms:
+                depth_histogram(self.writer, tag, values, record.step)
+            self._keep_column(tag, record.step, values)
 
     def _keep_column(self, tag: str, step: int, values: list[float]) -> None:
         columns = self._profiles.setdefault(tag, [])
