@@ -189,6 +189,7 @@ class NormProbe(Callback):
             _name_prefix=_prefix(trainer.lightning_module, module),
             # on_before_optimizer_step sees the gradients unscaled and not yet clipped
             _gradients_at="step",
+            _clip_norm=_clip_norm(trainer, target),
         )
         self.probe.paused = trainer.sanity_checking
         was_training = target.training
@@ -331,6 +332,18 @@ def _prefix(pl_module: nn.Module, module: nn.Module) -> str:
         if child is module:
             return name + "."
     return ""
+
+
+def _clip_norm(trainer: Trainer, model: nn.Module) -> float | None:
+    """The norm Lightning clips the gradients to (``gradient_clip_val``, by norm), when its
+    optimizers hold exactly ``model``'s trainable parameters: then the total the probe reads is
+    the total Lightning clips, and the clip factor follows from it."""
+    value = trainer.gradient_clip_val
+    if not value or trainer.gradient_clip_algorithm not in (None, "norm"):
+        return None
+    held = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    return float(value) if held == trainable else None
 
 
 def _param_reduce(strategy: Any) -> Reduce:

@@ -351,7 +351,11 @@ def test_lightning_reads_before_gradient_clip_val(tmp_path: Path, compiled: bool
         }
         ours["total"] = dict(scalars[TOTAL])[step]
         assert ours == pytest.approx({k: before[k] for k in ours}, rel=1e-5)
-    assert CLIP not in scalars  # read where Lightning has not clipped yet: no factor measured
+        # read where Lightning has not clipped yet: the factor is clip_grad_norm_'s own,
+        # gradient_clip_val over the total, which shrank the total Lightning stepped with
+        factor = dict(scalars[CLIP])[step]
+        assert factor == pytest.approx(0.05 / (before["total"] + 1e-6), rel=1e-5)
+        assert factor == pytest.approx(after["total"] / before["total"], rel=1e-4) and factor < 1
 
 
 def test_report_notes_a_run_clipped_on_most_steps(tmp_path: Path) -> None:

@@ -118,6 +118,10 @@ class Plan(Protocol):
     # the `on_gradients` callbacks of this step read the gradients before any clipping and
     # `before_step` ones see them after it (False: both see the same gradients)
     clipping_visible: bool
+    # the norm a trainer clips the total gradient to where the clipped gradients are not seen
+    # (Lightning clips after its last hook before the step), when it clips every trainable
+    # parameter by their total norm; else None
+    clip_norm: float | None
 
     def slot(self, size: int, reduce: Reduce) -> Slot: ...
 

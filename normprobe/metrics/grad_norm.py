@@ -49,6 +49,8 @@ CLIPPED = 0.999
 # gradients at the optimizer step smaller by an exact power of two, at least this one, than at
 # the backward's end carried a loss scale (GradScaler starts at 2**16)
 SCALED = 16.0
+# what torch.nn.utils.clip_grad_norm_ adds to the total it divides the max norm by
+CLIP_EPS = 1e-6
 
 
 class GradNorm(Family):
@@ -113,6 +115,10 @@ class GradNorm(Family):
                         warned[0] = True
                         _warn_scaled(out, factor)
                     return  # the values read at the end of the backward carry a loss scale
+                out.scalar("grad_clip_factor", MODEL, min(1.0, factor))
+            elif plan.clip_norm is not None and total_squares > 0:
+                # clip_grad_norm_'s own factor, from the total it clips
+                factor = plan.clip_norm / (math.sqrt(total_squares) + CLIP_EPS)
                 out.scalar("grad_clip_factor", MODEL, min(1.0, factor))
             out.scalar("grad_norm_total", MODEL, math.sqrt(total_squares))
             out.scalar("grad_norm_rest", MODEL, math.sqrt(rest))

@@ -70,6 +70,7 @@ class Probe:
         _name_prefix: str = "",
         _zero_optimizer: Any = None,
         _gradients_at: Literal["backward", "step"] = "backward",
+        _clip_norm: float | None = None,
     ) -> None:
         _check_arguments(model, every, max_block_tags)
         self.model = model
@@ -94,6 +95,7 @@ class Probe:
         self.phase = _phase % every
         self.name_prefix = _name_prefix
         self._param_reduce = _param_reduce
+        self._clip_norm = _clip_norm
         self.persistent_hooks = persistent_hooks
         self.spikes = spikes
         self.paused = False
@@ -164,6 +166,7 @@ class Probe:
             name_prefix=self.name_prefix,
         )
         self.model_map, self._plan = model_map, plan
+        plan.clip_norm = self._clip_norm
         # a compiled model's output is not read for its loss: no hook added later
         self._spikes = SpikeWatch.of(
             self.spikes, self.model, plan, self.sinks, not self.persistent_hooks
