@@ -9,6 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
+# the defaults every way in shares: a logged step every 50, and at most 64 per-block scalar tags
+EVERY = 50
+MAX_BLOCK_TAGS = 64
+
 
 def world_size() -> int:
     """Processes in the default ``torch.distributed`` group (1 when there is none)."""

@@ -23,7 +23,7 @@ from transformers.integrations.integration_utils import (
 )
 from transformers.trainer_callback import CallbackHandler
 
-from .common import check_every
+from .common import MAX_BLOCK_TAGS, check_every
 from .metrics import chosen
 from .runtime import Probe
 from .runtime.spikes import DEFAULT_SPIKES, Spikes
@@ -92,7 +92,7 @@ class NormProbeCallback(TrainerCallback):
         metrics: Iterable[str] | None = None,
         example_inputs: tuple[Any, ...] | None = None,
         example_kwargs: dict[str, Any] | None = None,
-        max_block_tags: int = 64,
+        max_block_tags: int = MAX_BLOCK_TAGS,
         spikes: Spikes | None = DEFAULT_SPIKES,
     ) -> None:
         if every is not None:

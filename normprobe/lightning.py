@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .common import check_every, is_compiled
+from .common import MAX_BLOCK_TAGS, check_every, is_compiled
 from .metrics import chosen
 from .metrics.base import Reduce
 from .runtime import Probe, ProbeHook
@@ -104,7 +104,7 @@ class NormProbe(Callback):
         every: int | None = None,
         metrics: Iterable[str] | None = None,
         example_inputs: tuple[Any, ...] | None = None,
-        max_block_tags: int = 64,
+        max_block_tags: int = MAX_BLOCK_TAGS,
         spikes: Spikes | None = DEFAULT_SPIKES,
     ) -> None:
         if every is not None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..common import example_call, is_writer
+from ..common import EVERY, MAX_BLOCK_TAGS, example_call, is_writer
 from ..metrics import METRICS
 from ..sinks import Sink, TensorBoardSink
 from .hooks import InertHook, ProbeHook
@@ -33,11 +33,11 @@ def attach(
     log_dir: str | None = None,
     writer: Any = None,
     sinks: Sequence[Sink] = (),
-    every: int = 50,
+    every: int = EVERY,
     metrics: Iterable[str] | None = None,
     example_inputs: tuple[Any, ...] | None = None,
     example_kwargs: dict[str, Any] | None = None,
-    max_block_tags: int = 64,
+    max_block_tags: int = MAX_BLOCK_TAGS,
     spikes: Spikes | None = DEFAULT_SPIKES,
     scaler: Any = None,
 ) -> Probe:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import tags
-from ..common import check_every, is_writer
+from ..common import EVERY, MAX_BLOCK_TAGS, check_every, is_writer
 from ..discovery import DiscoveryWarning, ModelMap, discover
 from ..metrics import METRICS, chosen, family
 from ..metrics.base import Reduce
@@ -58,9 +58,9 @@ class Probe:
         *,
         optimizer: torch.optim.Optimizer | None = None,
         sinks: Sequence[Sink] = (),
-        every: int = 50,
+        every: int = EVERY,
         metrics: Iterable[str] | None = None,
-        max_block_tags: int = 64,
+        max_block_tags: int = MAX_BLOCK_TAGS,
         start_step: int = 0,
         persistent_hooks: bool = False,
         spikes: Spikes | None = None,
