@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .common import check_every, is_compiled
 from .metrics import chosen
-from .metrics.base import Reduce
+from .metrics.core.base import Reduce
 from .runtime import Probe, ProbeHook
 from .runtime.spikes import DEFAULT_SPIKES, Spikes
 from .sinks import Record, TensorBoardSink, check_log_dir

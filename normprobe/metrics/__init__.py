@@ -12,8 +12,8 @@ import difflib
 
 from .attn_logits import AttnLogits
 from .attn_logits_head import AttnLogitsHead
-from .base import Family, Flag, Series
 from .bn_stats import BnStats
+from .core.base import Family, Flag, Series
 from .grad_norm import GradNorm
 from .logits import Logits
 from .nonfinite import NonFinite

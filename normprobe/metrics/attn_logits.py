@@ -8,7 +8,7 @@ import torch
 
 from .. import tags
 from .attn_logits_head import SAMPLED_ERROR
-from .base import NOTE, PROBLEM, Family, Flag, Out, Plan, Run, RunTag, Series, Slot, Values
+from .core.base import NOTE, PROBLEM, Family, Flag, Out, Plan, Run, RunTag, Series, Slot, Values
 from .logits import past
 
 # MuonClip (Kimi K2) rescales a head's queries and keys once its max logit passes tau = 100:

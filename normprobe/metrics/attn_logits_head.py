@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import Family, Out, Plan, Series, Slot, Values
+from .core.base import Family, Out, Plan, Series, Slot, Values
 
 if TYPE_CHECKING:
     from ..runtime.probe import Probe

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import tags
-from ..metrics.base import Points
+from ..metrics.core.base import Points
 from ..sinks import PROFILE_PLUGIN
 
 EVENT_GLOB = "events.out.tfevents.*"

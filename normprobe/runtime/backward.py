@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..discovery.trace import iter_tensors
-from ..metrics.base import GradientReader, Side
+from ..metrics.core.base import GradientReader, Side
 
 Watchers = list[tuple[int, Side]]  # (module index, side) of the modules a tensor belongs to
 

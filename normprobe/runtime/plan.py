@@ -1,5 +1,5 @@
-"""What the families asked for on one model (`normprobe.metrics.base.Plan`), and how a step's
-host values become a `Record` (`normprobe.metrics.base.Out`)."""
+"""What the families asked for on one model (`normprobe.metrics.core.base.Plan`), and how a step's
+host values become a `Record` (`normprobe.metrics.core.base.Out`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch import nn
 from .. import probes, tags
 from ..common import is_writer, spread
 from ..discovery import Attention, DiscoveryWarning, ModelMap, NormLayer, Stack
-from ..metrics.base import (
+from ..metrics.core.base import (
     Family,
     GradientReader,
     Holdings,
@@ -287,7 +287,7 @@ class ProbePlan:
 
 
 class RecordOut:
-    """Writes a family's values into a `Record` (`normprobe.metrics.base.Out`)."""
+    """Writes a family's values into a `Record` (`normprobe.metrics.core.base.Out`)."""
 
     def __init__(self, record: Record, writes: bool, plan: ProbePlan) -> None:
         self.record = record

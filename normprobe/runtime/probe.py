@@ -16,8 +16,8 @@ from .. import tags
 from ..common import check_every, is_writer
 from ..discovery import DiscoveryWarning, ModelMap, discover
 from ..metrics import METRICS, chosen, family
-from ..metrics.base import Reduce
-from ..metrics.params import OwnTensors
+from ..metrics.core.base import Reduce
+from ..metrics.core.params import OwnTensors
 from ..sinks import Record, Sink
 from .backward_end import BackwardEnd
 from .forward import Forwards

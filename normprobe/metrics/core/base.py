@@ -17,9 +17,9 @@ from typing import Any, ClassVar, Literal, Protocol
 import torch
 from torch import nn
 
-from ..discovery import Attention, ModelMap, NormLayer, Stack
-from ..tags import Tag
-from ..tags import format as format_tag
+from ...discovery import Attention, ModelMap, NormLayer, Stack
+from ...tags import Tag
+from ...tags import format as format_tag
 
 Reduce = Literal["mean", "rms", "max", "min", "sum"]
 Reader = Callable[[torch.Tensor], None]
