@@ -16,6 +16,7 @@ from .. import probes, tags
 from ..common import is_writer, spread
 from ..discovery import Attention, DiscoveryWarning, ModelMap, NormLayer, Stack
 from ..metrics.core.base import (
+    AttentionReader,
     Family,
     GradientReader,
     Holdings,
@@ -142,10 +143,13 @@ class ProbePlan:
     def read_add(self, module: str, call: int, index: int, action: Reader) -> None:
         self.hooks.at(module).inside.setdefault(call, {})[index] = action
 
-    def read_attention(self, module: str, action: Reader) -> None:
+    def read_attention(
+        self, module: str, action: AttentionReader, *, logit_max: bool = False
+    ) -> None:
         site = self.hooks.at(module)
         site.attention.append(action)
         site.heads = self._heads[module]
+        site.logit_max |= logit_max
 
     def read_outputs(self, action: Callable[[int, Any], None]) -> None:
         self.hooks.outputs.append(action)
