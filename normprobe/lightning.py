@@ -84,7 +84,7 @@ class NormProbe(Callback):
 
     Args:
         every: log every this many optimizer steps (default: ``trainer.log_every_n_steps``).
-        metrics: names from `normprobe.METRICS` (default: all).
+        metrics: names from `normprobe.METRICS` (default: all but the opt-in ones).
         example_inputs: positional inputs to map the model before training starts.
         max_block_tags: per-block scalar tags for at most this many blocks of a stack, and
             norm and attention statistics for at most this many layers of each kind.

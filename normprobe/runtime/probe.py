@@ -15,7 +15,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import tags
 from ..common import check_every, is_writer
 from ..discovery import DiscoveryWarning, ModelMap, discover
-from ..metrics import METRICS, chosen, family
+from ..metrics import DEFAULTS, METRICS, chosen, family
 from ..metrics.core.base import Reduce
 from ..metrics.core.params import OwnTensors
 from ..sinks import Record, Sink
@@ -165,7 +165,7 @@ class Probe:
         )
         if self.persistent_hooks or self._logged:  # last: the root's hook ends every read
             self._forwards.armed.arm()
-        plan.warn_missing(every_family=set(self.metrics) == set(METRICS))
+        plan.warn_missing(every_family=set(self.metrics) in (set(DEFAULTS), set(METRICS)))
         plan.warn_doubts()
 
     # the schedule ------------------------------------------------------------------------------

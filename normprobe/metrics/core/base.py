@@ -316,6 +316,9 @@ class Family:
     # what it reads is one many models lack (attention, BatchNorm, learned norm gains): the
     # lack is warned only when the family is asked for by name, not among all of them
     optional: ClassVar[bool] = False
+    # it costs more than the probe's budget for a logged step: measured only when asked for by
+    # name (``metrics=[..., name]``), not by default
+    opt_in: ClassVar[bool] = False
 
     def plan(self, plan: Plan) -> None:
         """Ask for reads and slots on a mapped model; register how the step's values become
