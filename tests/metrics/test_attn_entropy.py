@@ -15,6 +15,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import normprobe
+from normprobe.metrics import chosen
 from normprobe.metrics.attn_entropy import ROWS, head_entropy
 from normprobe.metrics.core.attention import AttentionInputs
 from normprobe.models import TinyTransformer
@@ -108,19 +109,26 @@ def zero_queries(model: nn.Module) -> None:
 
 
 def logged(
-    model: nn.Module, run: Any, tmp_path: Path
+    model: nn.Module, run: Any, tmp_path: Path, metrics: tuple[str, ...] = ("attn_entropy",)
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Each attention module's logged mean entropy and per-head vector after one logged step."""
-    with normprobe.attach(model, log_dir=str(tmp_path), metrics=["attn_entropy"]) as probe:
+    """After one logged step, each attention module's mean entropy, and its per-head vectors:
+    the entropies by path, and (logging ``attn_logits_head``) the max logits by ``max <path>``."""
+    vectors = {"attn_entropy": ("", "attn_entropy_head"), "attn_logits_head": ("max ", None)}
+    with normprobe.attach(model, log_dir=str(tmp_path), metrics=list(metrics)) as probe:
         run()
         probe.step()
         assert probe.model_map is not None and probe.latest is not None
         paths = [a.path for a in probe.model_map.attention]
         scalars, profiles = probe.latest.scalars, probe.latest.profiles
-        return (
-            {p: scalars[probe.tag("attn_entropy", p)] for p in paths},
-            {p: profiles[probe.tag("attn_entropy_head", p)] for p in paths},
-        )
+        heads = {
+            prefix + p: profiles[probe.tag(series or name, p)]
+            for name, (prefix, series) in vectors.items()
+            if name in metrics
+            for p in paths
+        }
+        if "attn_entropy" not in metrics:
+            return {}, heads
+        return {p: scalars[probe.tag("attn_entropy", p)] for p in paths}, heads
 
 
 def test_fused_attention_of_a_gpt_matches_the_full_softmax(tmp_path: Path) -> None:
@@ -165,6 +173,30 @@ def test_eager_attention_reads_what_its_softmax_takes(tmp_path: Path) -> None:
     assert len(heads) == 2
     for h in heads.values():
         assert h == pytest.approx([causal_uniform(T)] * 2, rel=1e-5)
+
+
+def test_eager_logit_max_reads_the_same_beside_the_entropy(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(EagerAttention(), EagerAttention())
+    x = torch.randn(2, T, 8)
+    _, alone = logged(model, lambda: model(x), tmp_path / "max", ("attn_logits_head",))
+    _, entropy = logged(model, lambda: model(x), tmp_path / "entropy")
+    _, both = logged(
+        model, lambda: model(x), tmp_path / "both", ("attn_logits_head", "attn_entropy")
+    )
+    assert len(alone) == len(entropy) == 2 and both == alone | entropy
+
+
+def test_opt_in_left_out_by_default(tmp_path: Path) -> None:
+    assert "attn_entropy" in normprobe.METRICS
+    assert "attn_entropy" not in chosen(None) and "attn_entropy" in chosen(["attn_entropy"])
+    model = TinyTransformer(32, 32, 2, 4, 16)
+    with normprobe.attach(model, log_dir=str(tmp_path)) as probe:
+        model(torch.randint(0, 32, (2, 16)))
+        probe.step()
+        assert probe.latest is not None
+        assert not [t for t in probe.latest.scalars if "attn_entropy" in t]
+        assert [t for t in probe.latest.scalars if "attn_logit_max" in t]
 
 
 def test_multihead_attention_counts_the_keys_its_padding_mask_leaves(tmp_path: Path) -> None:
