@@ -38,7 +38,7 @@ from normprobe.metrics import (
     spikes,
     update_ratio,
 )
-from normprobe.metrics.base import SUSTAIN
+from normprobe.metrics.core.base import SUSTAIN
 from normprobe.report import RunReport
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 import normprobe
 from normprobe.corpus import CharCorpus
-from normprobe.metrics.base import Flag
+from normprobe.metrics.core.base import Flag
 from normprobe.models import TinyTransformer
 from normprobe.report import RunReport, report
 

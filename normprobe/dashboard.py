@@ -20,7 +20,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from . import tags
-from .metrics.run import run_tags
+from .metrics.core.run import run_tags
 from .report import find_runs
 from .sinks import LOSS_REGEX, SUMMARY
 

@@ -79,7 +79,7 @@ class NormProbeCallback(TrainerCallback):
 
     Args:
         every: log every this many steps instead of the Trainer's ``logging_steps``.
-        metrics: names from ``normprobe.METRICS`` (default: all).
+        metrics: names from ``normprobe.METRICS`` (default: all but the opt-in ones).
         example_inputs, example_kwargs: inputs to map the model before training; by default
             the model is mapped on its first training forward.
         max_block_tags: as in `normprobe.attach`.

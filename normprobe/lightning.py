@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .common import MAX_BLOCK_TAGS, check_every, is_compiled
 from .metrics import chosen
-from .metrics.base import Reduce
+from .metrics.core.base import Reduce
 from .runtime import Probe, ProbeHook
 from .runtime.spikes import DEFAULT_SPIKES, Spikes
 from .sinks import Record, TensorBoardSink, check_log_dir
@@ -84,7 +84,7 @@ class NormProbe(Callback):
 
     Args:
         every: log every this many optimizer steps (default: ``trainer.log_every_n_steps``).
-        metrics: names from `normprobe.METRICS` (default: all).
+        metrics: names from `normprobe.METRICS` (default: all but the opt-in ones).
         example_inputs: positional inputs to map the model before training starts.
         max_block_tags: per-block scalar tags for at most this many blocks of a stack, and
             norm and attention statistics for at most this many layers of each kind.

@@ -564,7 +564,7 @@ def _products_max(q: torch.Tensor, k: torch.Tensor, heads: int, chunk: int) -> t
     return best
 
 
-def mha_logit_max(
+def mha_qk(
     query: torch.Tensor,
     key: torch.Tensor,
     num_heads: int,
@@ -574,17 +574,14 @@ def mha_logit_max(
     b_k: torch.Tensor | None,
     bias_k: torch.Tensor | None = None,
     static_k: torch.Tensor | None = None,
-    chunk_elements: int = 1 << 22,
-) -> torch.Tensor:
-    """max |q . k| / sqrt(head_dim) of each of the ``num_heads`` heads over the logits
-    ``F.multi_head_attention_forward`` forms.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The queries and keys ``F.multi_head_attention_forward`` forms, float32, each (batch,
+    heads, sequence, head_dim).
 
     ``query`` and ``key`` are (sequence, batch, features) or unbatched (sequence, features);
     q = query w_q^T + b_q and k = key w_k^T + b_k are split into ``num_heads`` heads, with
     ``bias_k`` appended as one more key, or ``static_k`` (batch * heads, keys, head_dim) taken
-    as the keys. Masks are additive or exclude positions the model still forms logits for: they
-    are ignored. Over the products of `logit_sample`, materialized a block at a time, as in
-    `sdpa_logit_max`.
+    as the keys.
     """
 
     def project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -602,6 +599,27 @@ def mha_logit_max(
         if bias_k is not None:
             k = torch.cat([k, bias_k.detach().float().expand(1, k.shape[1], -1)])
         k = k.reshape(k.shape[0], k.shape[1], num_heads, head_dim).permute(1, 2, 0, 3)
+    return q, k
+
+
+def mha_logit_max(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    num_heads: int,
+    w_q: torch.Tensor,
+    b_q: torch.Tensor | None,
+    w_k: torch.Tensor,
+    b_k: torch.Tensor | None,
+    bias_k: torch.Tensor | None = None,
+    static_k: torch.Tensor | None = None,
+    chunk_elements: int = 1 << 22,
+) -> torch.Tensor:
+    """max |q . k| / sqrt(head_dim) of each of the ``num_heads`` heads over the logits
+    ``F.multi_head_attention_forward`` forms, q and k as `mha_qk` makes them. Masks are
+    additive or exclude positions the model still forms logits for: they are ignored. Over the
+    products of `logit_sample`, materialized a block at a time, as in `sdpa_logit_max`.
+    """
+    q, k = mha_qk(query, key, num_heads, w_q, b_q, w_k, b_k, bias_k, static_k)
     return sdpa_logit_max(q, k, heads=num_heads, chunk_elements=chunk_elements)
 
 

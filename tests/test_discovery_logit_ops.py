@@ -138,7 +138,7 @@ def test_logits_are_read_as_each_block_forms_them(mix: str) -> None:
 
     def hooks(path: str, heads: int) -> None:
         module = model.get_submodule(path)
-        mode = AttentionLogits([lambda v: read.setdefault(path, v)], heads)
+        mode = AttentionLogits([lambda v: read.setdefault(path, v.logit_max)], heads, True)
 
         def pre(mod: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             q, k = mod.heads(mod.q(args[0])), mod.heads(mod.k(args[0]))

@@ -23,7 +23,7 @@ import normprobe
 from normprobe import plots, tags
 from normprobe import report as rp
 from normprobe.metrics import SERIES, attn_logits, bn_stats, grad_norm, logits, resid_cos, resid_rms
-from normprobe.metrics.run import run_flags
+from normprobe.metrics.core.run import run_flags
 from normprobe.models import ResidualStack, TinyTransformer
 
 Batch = Callable[[int], torch.Tensor]

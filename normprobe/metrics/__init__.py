@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import difflib
 
+from .attn_entropy import AttnEntropy
 from .attn_logits import AttnLogits
 from .attn_logits_head import AttnLogitsHead
-from .base import Family, Flag, Series
 from .bn_stats import BnStats
+from .core.base import Family, Flag, Series
 from .grad_norm import GradNorm
 from .logits import Logits
 from .nonfinite import NonFinite
@@ -34,6 +35,7 @@ FAMILIES: tuple[Family, ...] = (
     Outliers(),
     AttnLogits(),
     AttnLogitsHead(),
+    AttnEntropy(),
     Logits(),
     UpdateRatio(),
     WeightRms(),
@@ -44,6 +46,7 @@ FAMILIES: tuple[Family, ...] = (
     Spikes(),
 )
 METRICS: dict[str, str] = {f.name: f.description for f in FAMILIES}
+DEFAULTS: tuple[str, ...] = tuple(f.name for f in FAMILIES if not f.opt_in)  # metrics=None
 SERIES: dict[str, Series] = {s.name: s for f in FAMILIES for s in f.series}
 
 
@@ -56,9 +59,9 @@ def family(name: str) -> Family:
 
 
 def chosen(metrics: object) -> tuple[str, ...]:
-    """Family names from a user's ``metrics=`` (None: all), checked."""
+    """Family names from a user's ``metrics=`` (None: all but the opt-in ones), checked."""
     if metrics is None:
-        return tuple(METRICS)
+        return DEFAULTS
     names = [metrics] if isinstance(metrics, str) else list(metrics)  # type: ignore[call-overload]
     unknown = [m for m in names if m not in METRICS]
     if unknown:
@@ -80,6 +83,7 @@ def unknown_metric(name: object) -> str:
 
 
 __all__ = [
+    "DEFAULTS",
     "FAMILIES",
     "METRICS",
     "SERIES",

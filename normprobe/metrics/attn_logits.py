@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
-
 from .. import tags
 from .attn_logits_head import SAMPLED_ERROR
-from .base import NOTE, PROBLEM, Family, Flag, Out, Plan, Run, RunTag, Series, Slot, Values
+from .core.attention import AttentionInputs
+from .core.base import NOTE, PROBLEM, Family, Flag, Out, Plan, Run, RunTag, Series, Slot, Values
 from .logits import past
 
 # MuonClip (Kimi K2) rescales a head's queries and keys once its max logit passes tau = 100:
@@ -21,8 +20,8 @@ TAU = 100.0
 SOFT_CAP = 50.0
 
 
-def _put_max(plan: Plan, slot: Slot, per_head: torch.Tensor) -> None:
-    plan.measured.put_max(slot, per_head.amax())
+def _put_max(plan: Plan, slot: Slot, inputs: AttentionInputs) -> None:
+    plan.measured.put_max(slot, inputs.logit_max.amax())
 
 
 class AttnLogits(Family):
@@ -44,7 +43,7 @@ class AttnLogits(Family):
         slots: list[tuple[str, Slot]] = []
         for a in plan.attention:
             slot = plan.slot(1, "max")
-            plan.read_attention(a.path, partial(_put_max, plan, slot))
+            plan.read_attention(a.path, partial(_put_max, plan, slot), logit_max=True)
             slots.append((plan.module_tag(a.path), slot))
 
         def record(values: Values, out: Out) -> None:

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import Family, Out, Plan, Series, Slot, Values
+from .core.attention import AttentionInputs
+from .core.base import Family, Out, Plan, Series, Slot, Values
 
 if TYPE_CHECKING:
     from ..runtime.probe import Probe
@@ -19,6 +20,10 @@ TAU = 100.0
 # equalled it on GPT-2-, Llama- and ViT-style models and nn.TransformerEncoder, at init and
 # trained, 128 tokens; a head's max was within 8% at init, 0.3% trained).
 SAMPLED_ERROR = 0.05
+
+
+def _put_max(plan: Plan, slot: Slot, inputs: AttentionInputs) -> None:
+    plan.measured.put_max(slot, inputs.logit_max)
 
 
 class AttnLogitsHead(Family):
@@ -44,7 +49,7 @@ class AttnLogitsHead(Family):
         slots: list[tuple[str, str | None, Slot]] = []
         for a in plan.attention:
             slot = plan.slot(a.heads, "max")
-            plan.read_attention(a.path, partial(plan.measured.put_max, slot))
+            plan.read_attention(a.path, partial(_put_max, plan, slot), logit_max=True)
             stack = plan.stack_name(a.stack) if a.stack is not None else None
             slots.append((plan.module_tag(a.path), stack, slot))
 

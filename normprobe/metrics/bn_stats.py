@@ -12,7 +12,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import probes
-from .base import (
+from .core.base import (
     NOTE,
     PROBLEM,
     SUSTAIN,

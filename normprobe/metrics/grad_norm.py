@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from .. import tags
-from .base import (
+from .core.base import (
     MODEL,
     NOTE,
     PROBLEM,
@@ -25,7 +25,7 @@ from .base import (
     placement,
     sustained,
 )
-from .grads import GradSquares
+from .core.grads import GradSquares
 
 # grad_ratio (last / first block), sanity check [d]: Post-LN reads 2.35 at init (top-heavy, the
 # reason it needs warmup: Xiong et al. 2020) and DeepNorm 1.02, so 2.0 is a note. A problem when

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import probes, tags
-from .base import (
+from .core.base import (
     MODEL,
     NOTE,
     SUSTAIN,

@@ -22,9 +22,9 @@ import torch
 
 from .. import probes, tags
 from ..nested import iter_tensors
-from .base import MODEL, PROBLEM, Family, Flag, Out, Plan, Run, Series, Side, Values
-from .grads import GradSquares
-from .streams import Streams
+from .core.base import MODEL, PROBLEM, Family, Flag, Out, Plan, Run, Series, Side, Values
+from .core.grads import GradSquares
+from .core.streams import Streams
 
 Ranks = dict[torch.device, torch.Tensor]  # 0, 1, 2, ... on each device, made once
 # what follows a block's path in the texts while its module is not known

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .. import probes
-from .base import Family, Out, Plan, Series, Slot, Values
+from .core.base import Family, Out, Plan, Series, Slot, Values
 
 
 @dataclass

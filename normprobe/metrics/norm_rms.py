@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 from .. import probes
-from .base import Batch, Family, Out, Plan, Series, Values
+from .core.base import Batch, Family, Out, Plan, Series, Values
 
 
 class NormRms(Family):

@@ -7,8 +7,8 @@ import math
 import torch
 
 from .. import probes
-from .base import PROBLEM, SUSTAIN, Family, Flag, Out, Plan, Run, Series, Values, sustained
-from .streams import Streams, rowwise
+from .core.base import PROBLEM, SUSTAIN, Family, Flag, Out, Plan, Run, Series, Values, sustained
+from .core.streams import Streams, rowwise
 
 # Sun et al. 2024 ("Massive Activations in Large Language Models") call an activation massive
 # when it is about 1000x the median magnitude of its hidden state, and find 1000x-10000x in

@@ -6,7 +6,7 @@ import math
 import statistics
 
 from .. import probes
-from .base import (
+from .core.base import (
     NOTE,
     PROBLEM,
     SUSTAIN,
@@ -20,7 +20,7 @@ from .base import (
     placement,
     sustained,
 )
-from .streams import Streams, rowwise
+from .core.streams import Streams, rowwise
 
 # Representation collapse (consecutive blocks' streams nearly parallel): the mean cosine of the
 # deep half past 0.999, i.e. each block turns the stream by under 2.6 degrees. Healthy small

@@ -6,8 +6,20 @@ import itertools
 import math
 
 from .. import probes, tags
-from .base import NOTE, PROBLEM, SUSTAIN, Family, Flag, Out, Plan, Run, Series, Values, sustained
-from .streams import Streams, stream_rms
+from .core.base import (
+    NOTE,
+    PROBLEM,
+    SUSTAIN,
+    Family,
+    Flag,
+    Out,
+    Plan,
+    Run,
+    Series,
+    Values,
+    sustained,
+)
+from .core.streams import Streams, stream_rms
 
 # Residual growth needs both a shape and a size. Shape: log RMS against log depth rising with a
 # slope of at least 0.3; Pre-LN's sqrt(l) growth (each block adds an O(1) write to the stream's

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from .. import tags
-from .base import MODEL, NOTE, PROBLEM, Family, Flag, Plan, Run, Series
+from .core.base import MODEL, NOTE, PROBLEM, Family, Flag, Plan, Run, Series
 
 SERIES = "spike"
 # A spike is a note: healthy runs have some (benchmarks/calibration.py: a GPT-2 gradient spike

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import statistics
 
-from .base import PROBLEM, Family, Flag, Out, Plan, Run, Series, Values
-from .params import SAMPLE_FRACTION, SAMPLE_MIN, BlockParams, WeightSample, write_root_ratios
+from .core.base import PROBLEM, Family, Flag, Out, Plan, Run, Series, Values
+from .core.params import SAMPLE_FRACTION, SAMPLE_MIN, BlockParams, WeightSample, write_root_ratios
 
 # A stack's update ratio (its blocks' mean) at or past this at any logged step: the optimizer
 # step moved its weights by a tenth of their norm. Adam's first steps move every weight by about

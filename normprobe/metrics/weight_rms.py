@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import probes
-from .base import Family, Out, Plan, Series, Values
-from .params import SAMPLE_FRACTION, SAMPLE_MIN, BlockParams, WeightSample, write_root_ratios
+from .core.base import Family, Out, Plan, Series, Values
+from .core.params import SAMPLE_FRACTION, SAMPLE_MIN, BlockParams, WeightSample, write_root_ratios
 
 
 class WeightRms(Family):

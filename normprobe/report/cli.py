@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..jsonout import dumps
-from ..metrics.run import problems
+from ..metrics.core.run import problems
 from .compare import compare_runs
 from .events import runs_under
 from .summary import REPORT_SCHEMA, RunReport, report, report_document

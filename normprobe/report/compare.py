@@ -33,7 +33,7 @@ from typing import Any
 
 from ..jsonout import json_number
 from ..metrics import Flag
-from ..metrics.run import problems
+from ..metrics.core.run import problems
 from .events import runs_under
 from .rows import format_number, row_rank
 from .summary import RunReport, flag_dict, report, span_dict

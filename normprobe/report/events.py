@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import tags
-from ..metrics.base import Points
+from ..metrics.core.base import Points
 from ..sinks import PROFILE_PLUGIN
 
 EVENT_GLOB = "events.out.tfevents.*"

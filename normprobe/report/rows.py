@@ -9,8 +9,8 @@ import statistics
 from dataclasses import dataclass
 
 from ..metrics import SERIES
-from ..metrics.base import MODEL, Points, RunTag
-from ..metrics.run import run_tags
+from ..metrics.core.base import MODEL, Points, RunTag
+from ..metrics.core.run import run_tags
 
 # A change of less than 10% between the first and the last value reads as "flat".
 TREND_FLAT = 0.1

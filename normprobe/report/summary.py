@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from ..jsonout import json_number
-from ..metrics.base import Flag
-from ..metrics.run import flag_lines, run_flags
+from ..metrics.core.base import Flag
+from ..metrics.core.run import flag_lines, run_flags
 from .events import PREFIX, read_events, runs_under
 from .pictures import draw_profiles, profiles
 from .rows import Trend, format_number, rows

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..common import EVERY, MAX_BLOCK_TAGS, example_call, is_writer
-from ..metrics import METRICS
+from ..metrics import FAMILIES, METRICS
 from ..sinks import Sink, TensorBoardSink
 from .hooks import InertHook, ProbeHook
 from .plan import tagged_paths
@@ -47,7 +47,7 @@ def attach(
     first forward. Every ``every``-th step (the first included) is logged to TensorBoard under
     ``normprobe/<metric family>/...``, with a custom-scalars layout and depth histograms.
 
-    Metrics (all by default; choose with ``metrics=[...]``):
+    Metrics (all but the opt-in ones by default; choose with ``metrics=[...]``):
 
     {metrics}
 
@@ -120,7 +120,10 @@ def attach(
 
 if attach.__doc__:
     attach.__doc__ = attach.__doc__.replace(
-        "{metrics}", "\n    ".join(f"* ``{k}``: {v}." for k, v in METRICS.items())
+        "{metrics}",
+        "\n    ".join(
+            f"* ``{f.name}``{' (opt-in)' if f.opt_in else ''}: {f.description}." for f in FAMILIES
+        ),
     )
 
 

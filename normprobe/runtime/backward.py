@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..metrics.base import GradientReader, Side
+from ..metrics.core.base import GradientReader, Side
 from ..nested import iter_tensors
 
 Watchers = list[tuple[int, Side]]  # (module index, side) of the modules a tensor belongs to

@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from ..discovery import ModelMap
-from ..metrics.base import Family, Holdings, Reduce
+from ..metrics.core.base import Family, Holdings, Reduce
 from .hooks import Armed, Hooks, ProbeHook
 from .modes import exit_modes
 from .packing import Measurements

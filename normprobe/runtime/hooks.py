@@ -13,6 +13,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from ..metrics.core.base import AttentionReader
 from ..nested import first_float, get_by_key
 from .backward import Gradients
 from .modes import AddCounter, AttentionLogits
@@ -68,8 +69,9 @@ class Site:
     pre: list[Read] = field(default_factory=list)
     post: list[Read] = field(default_factory=list)
     inside: dict[int, dict[int, Reader]] = field(default_factory=dict)  # call -> add -> reader
-    attention: list[Reader] = field(default_factory=list)  # each gets the per-head max |logit|
+    attention: list[AttentionReader] = field(default_factory=list)  # get `AttentionInputs`
     heads: int = 1  # of the attention module here
+    logit_max: bool = False  # a reader asks for the max logit
 
 
 class Hooks:
@@ -203,7 +205,7 @@ class Hooks:
         if site.inside.get(call):
             modes.append(AddCounter(site.inside[call]))
         if site.attention:
-            modes.append(AttentionLogits(site.attention, site.heads))
+            modes.append(AttentionLogits(site.attention, site.heads, site.logit_max))
         for mode in modes:
             mode.__enter__()  # type: ignore[no-untyped-call]
         if modes:

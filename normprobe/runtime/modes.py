@@ -33,6 +33,8 @@ from ..discovery import (
     mixes_heads,
     scripted_functions_as_python,
 )
+from ..metrics.core.attention import AttentionInputs
+from ..metrics.core.base import AttentionReader
 from ..nested import iter_tensors
 
 
@@ -62,32 +64,37 @@ class AddCounter(TorchFunctionMode):
         return out
 
 
-# (the q·k product or what it became, its max |logit| once a mask or bias met it, the constant
-# factor applied since)
+# (the q·k product or what it became, its max |logit| once a mask or bias met it (`_MET` when
+# no reader asks for the max), the constant factor applied since)
 _Logits = tuple["weakref.ref[torch.Tensor]", torch.Tensor | None, torch.Tensor | float]
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+_SDPA_SIGNATURE = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+_MET = torch.zeros(())  # the logits met a mask; their max was not asked for
 
 
 class AttentionLogits(TorchFunctionMode):
-    """Active inside one attention module on logged steps: max |logit| of each of its ``heads``
-    heads as the module forms its logits from q and k, masks and biases left out; each action
-    gets the vector of per-head maxima.
+    """Active inside one attention module on logged steps: hands each action the
+    `AttentionInputs` of every attention product the module forms, read when its softmax (or the
+    fused attention) takes it.
 
     Eager attention: each product of a matmul of two tensors is followed through the ops that
     carry logits (`carries_logits`) or mix heads (`mixes_heads`), TorchScript functions run as
-    their Python source; its max |.| is taken where another tensor (a mask, a bias, a sink, a
-    head-mixing weight) first meets it (at the softmax if none does), times the constant
-    factors applied after that, and read when a softmax takes it. What the model computes from
-    the logits alone before that (soft-capping, clamping, nan_to_num, casts) is part of forming
-    them. Fused attention: from q and k (`probes.sdpa_logit_max`); ``nn.MultiheadAttention``:
-    from its input and in-projection weights (`probes.mha_logit_max`); both over a sample of
-    the products (`probes.logit_sample`).
+    their Python source; the softmax's input is handed over as ``scores``. With ``logit_max``,
+    its max |.| per head is taken where another tensor (a mask, a bias, a sink, a head-mixing
+    weight) first meets it (at the softmax if none does), times the constant factors applied
+    after that: what the model computes from the logits alone before that (soft-capping,
+    clamping, nan_to_num, casts) is part of forming them. Fused attention: its q, k, scale and
+    mask; ``nn.MultiheadAttention``: q and k projected from its input and in-projection weights
+    (`probes.mha_qk`), and its masks as one additive mask.
     """
 
-    def __init__(self, actions: Sequence[Callable[[torch.Tensor], None]], heads: int) -> None:
+    def __init__(
+        self, actions: Sequence[AttentionReader], heads: int, logit_max: bool = False
+    ) -> None:
         super().__init__()
         self.actions = actions
         self.heads = heads
+        self.logit_max = logit_max
         self.logits: dict[int, _Logits] = {}  # by id of the tensor
         self.scripts = ExitStack()
 
@@ -102,9 +109,9 @@ class AttentionLogits(TorchFunctionMode):
         finally:
             self.scripts.close()
 
-    def found(self, per_head: torch.Tensor) -> None:
+    def found(self, inputs: AttentionInputs) -> None:
         for action in self.actions:
-            action(per_head)
+            action(inputs)
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
@@ -112,10 +119,9 @@ class AttentionLogits(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in SDPA_OPS and len(args) >= 2:
-            scale = kwargs.get("scale", args[6] if len(args) > 6 else None)
-            self.found(probes.sdpa_logit_max(args[0], args[1], scale=scale, heads=self.heads))
+            self.found(_sdpa_inputs(args, kwargs, self.heads))
         elif name == "multi_head_attention_forward":
-            self.found(_mha_logit_max(args, kwargs))
+            self.found(_mha_inputs(args, kwargs))
         found = self._find(args, kwargs) if self.logits else None
         best: torch.Tensor | None = None
         factor: torch.Tensor | float = 1.0
@@ -123,9 +129,10 @@ class AttentionLogits(TorchFunctionMode):
             t, best, factor = found
             if best is None and (name in SOFTMAX_OPS or _meets(name, args, kwargs, t)):
                 # before the op: an in-place mask overwrites t
-                best = probes.head_abs_max(t, self.heads)
+                best = probes.head_abs_max(t, self.heads) if self.logit_max else _MET
             if best is not None and name in SOFTMAX_OPS:
-                self.found(best * factor)
+                most = best * factor if self.logit_max else None
+                self.found(self._eager_inputs(t, most, args, kwargs))
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor):
             return out
@@ -139,6 +146,19 @@ class AttentionLogits(TorchFunctionMode):
         elif found is not None and out is found[0]:  # changed in place into something else
             del self.logits[id(out)]
         return out
+
+    def _eager_inputs(
+        self,
+        scores: torch.Tensor,
+        logit_max: torch.Tensor | None,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+    ) -> AttentionInputs:
+        """What a softmax taking ``scores`` hands the readers: its input, its axis last."""
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else -1)
+        if isinstance(dim, int) and dim % max(1, scores.ndim) != scores.ndim - 1:
+            scores = scores.movedim(dim, -1)
+        return AttentionInputs(self.heads, scores=scores.detach(), logit_max=logit_max)
 
     def _find(
         self, args: Sequence[Any], kwargs: dict[str, Any]
@@ -191,8 +211,23 @@ def _scaled(
     return factor / c if name.startswith(("div", "__truediv__", "__itruediv__")) else factor * c
 
 
-def _mha_logit_max(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor:
-    """`probes.mha_logit_max` from the arguments of ``F.multi_head_attention_forward``."""
+def _sdpa_inputs(args: Sequence[Any], kwargs: dict[str, Any], heads: int) -> AttentionInputs:
+    """The `AttentionInputs` of a ``scaled_dot_product_attention`` call."""
+    a = dict(zip(_SDPA_SIGNATURE, args, strict=False)) | kwargs
+    return AttentionInputs(
+        heads,
+        query=a["query"],
+        key=a["key"],
+        scale=a.get("scale"),
+        mask=a.get("attn_mask"),
+        is_causal=bool(a.get("is_causal", False)),
+    )
+
+
+def _mha_inputs(args: Sequence[Any], kwargs: dict[str, Any]) -> AttentionInputs:
+    """The `AttentionInputs` of an ``F.multi_head_attention_forward`` call: q and k as
+    `probes.mha_qk` projects them; the masks (made on first use) as one additive mask, with
+    ``add_zero_attn``'s zero key among the keys (the max logit leaves it out: it is 0)."""
     bound = _MHA_SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
@@ -203,9 +238,58 @@ def _mha_logit_max(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor:
         w_q, w_k = a["in_proj_weight"][:e], a["in_proj_weight"][e : 2 * e]
     b = a["in_proj_bias"]
     b_q, b_k = (None, None) if b is None else (b[:e], b[e : 2 * e])
-    return probes.mha_logit_max(
-        a["query"], a["key"], a["num_heads"], w_q, b_q, w_k, b_k, a["bias_k"], a["static_k"]
+    heads = a["num_heads"]
+    q, k = probes.mha_qk(
+        a["query"], a["key"], heads, w_q, b_q, w_k, b_k, a["bias_k"], a["static_k"]
     )
+    keys = k
+    if a["add_zero_attn"]:
+        keys = torch.cat([k, k.new_zeros((*k.shape[:-2], 1, k.shape[-1]))], dim=-2)
+    padded = keys.shape[-2] - (a["key"].shape[0] if a["static_k"] is None else k.shape[-2])
+
+    def mask() -> torch.Tensor | None:
+        return _mha_mask(a["attn_mask"], a["key_padding_mask"], q.shape[:3], padded)
+
+    def logit_max() -> torch.Tensor:
+        return probes.sdpa_logit_max(q, k, heads=heads)
+
+    return AttentionInputs(
+        heads,
+        query=q,
+        key=keys,
+        mask=mask,
+        is_causal=bool(a["is_causal"]) and a["attn_mask"] is None,
+        logit_max=logit_max,
+    )
+
+
+def _mha_mask(
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    shape: tuple[int, ...],
+    padded: int,
+) -> torch.Tensor | None:
+    """``nn.MultiheadAttention``'s masks as one mask added to the logits, broadcastable to
+    (batch, heads, queries, keys) (``shape``: the first three): boolean masks (True: not
+    attended) as -inf, ``padded`` keys appended after the masks' own (``bias_k``,
+    ``add_zero_attn``) attended."""
+    batch, heads, queries = shape
+    total: torch.Tensor | None = None
+    if attn_mask is not None:
+        m = _additive(attn_mask)
+        total = m.reshape(batch, heads, queries, -1) if m.ndim == 3 else m
+    if key_padding_mask is not None:
+        m = _additive(key_padding_mask).reshape(batch, 1, 1, -1)
+        total = m if total is None else total + m
+    if total is not None and padded:
+        total = F.pad(total, (0, padded))
+    return total
+
+
+def _additive(mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, device=mask.device).masked_fill(mask, float("-inf"))
+    return mask.detach().float()
 
 
 def exit_modes(modes: Iterable[TorchFunctionMode]) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from ..common import world_size
-from ..metrics.base import Reduce, Slot
+from ..metrics.core.base import Reduce, Slot
 
 
 class Layout:
@@ -81,7 +81,7 @@ class Measurements:
 
 
 class HostValues:
-    """A logged step's values on the host (`normprobe.metrics.base.Values`)."""
+    """A logged step's values on the host (`normprobe.metrics.core.base.Values`)."""
 
     def __init__(self, values: list[float], present: list[float], validation: bool) -> None:
         self.values = values

@@ -1,5 +1,5 @@
-"""What the families asked for on one model (`normprobe.metrics.base.Plan`), and how a step's
-host values become a `Record` (`normprobe.metrics.base.Out`)."""
+"""What the families asked for on one model (`normprobe.metrics.core.base.Plan`), and how a step's
+host values become a `Record` (`normprobe.metrics.core.base.Out`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from torch import nn
 from .. import probes, tags
 from ..common import is_writer, spread
 from ..discovery import Attention, DiscoveryWarning, ModelMap, NormLayer, Stack
-from ..metrics.base import (
+from ..metrics.core.base import (
+    AttentionReader,
     Family,
     GradientReader,
     Holdings,
@@ -143,10 +144,13 @@ class ProbePlan:
     def read_add(self, module: str, call: int, index: int, action: Reader) -> None:
         self.hooks.at(module).inside.setdefault(call, {})[index] = action
 
-    def read_attention(self, module: str, action: Reader) -> None:
+    def read_attention(
+        self, module: str, action: AttentionReader, *, logit_max: bool = False
+    ) -> None:
         site = self.hooks.at(module)
         site.attention.append(action)
         site.heads = self._heads[module]
+        site.logit_max |= logit_max
 
     def read_outputs(self, action: Callable[[int, Any], None]) -> None:
         self.hooks.outputs.append(action)
@@ -288,7 +292,7 @@ class ProbePlan:
 
 
 class RecordOut:
-    """Writes a family's values into a `Record` (`normprobe.metrics.base.Out`)."""
+    """Writes a family's values into a `Record` (`normprobe.metrics.core.base.Out`)."""
 
     def __init__(self, record: Record, writes: bool, plan: ProbePlan) -> None:
         self.record = record

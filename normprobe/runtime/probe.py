@@ -15,9 +15,9 @@ from torch.utils.hooks import RemovableHandle
 from .. import tags
 from ..common import EVERY, MAX_BLOCK_TAGS, check_every, is_writer
 from ..discovery import DiscoveryWarning, ModelMap, discover
-from ..metrics import METRICS, chosen, family
-from ..metrics.base import Reduce
-from ..metrics.params import OwnTensors
+from ..metrics import DEFAULTS, METRICS, chosen, family
+from ..metrics.core.base import Reduce
+from ..metrics.core.params import OwnTensors
 from ..sinks import Record, Sink
 from .backward_end import BackwardEnd
 from .forward import Forwards
@@ -173,7 +173,7 @@ class Probe:
         )
         if self.persistent_hooks or self._logged:  # last: the root's hook ends every read
             self._forwards.armed.arm()
-        plan.warn_missing(every_family=set(self.metrics) == set(METRICS))
+        plan.warn_missing(every_family=set(self.metrics) in (set(DEFAULTS), set(METRICS)))
         plan.warn_doubts()
 
     # the schedule ------------------------------------------------------------------------------

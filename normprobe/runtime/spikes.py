@@ -27,7 +27,7 @@ from torch import nn
 
 from .. import probes, tags
 from ..common import world_size
-from ..metrics.base import Plan
+from ..metrics.core.base import Plan
 from ..metrics.spikes import BlockRise, SpikeEvent, Watched
 from ..sinks import Record, Sink
 from .hooks import ProbeHook

@@ -57,6 +57,7 @@ LABELS = {
     "update_ratio": "|Δw| / |w| per step",
     "weight_rms": "parameter RMS",
     "attn_logits_head": "max |q·k|·scale",
+    "attn_entropy_head": "attention entropy (nats)",
 }
 
 

@@ -207,7 +207,7 @@ class TensorBoardSink:
 
     def _judge_flags(self) -> None:
         """Rewrite the flags text if what `report` would flag changed."""
-        from ..metrics.run import flag_lines, run_flags
+        from ..metrics.core.run import flag_lines, run_flags
 
         scalars = {
             t: ([self._first[t]] if self._first[t][0] < h[0][0] else []) + list(h)

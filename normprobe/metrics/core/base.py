@@ -17,12 +17,14 @@ from typing import Any, ClassVar, Literal, Protocol
 import torch
 from torch import nn
 
-from ..discovery import Attention, ModelMap, NormLayer, Stack
-from ..tags import Tag
-from ..tags import format as format_tag
+from ...discovery import Attention, ModelMap, NormLayer, Stack
+from ...tags import Tag
+from ...tags import format as format_tag
+from .attention import AttentionInputs
 
 Reduce = Literal["mean", "rms", "max", "min", "sum"]
 Reader = Callable[[torch.Tensor], None]
+AttentionReader = Callable[[AttentionInputs], None]
 Side = Literal["input", "output"]  # which gradients of a module: w.r.t. its inputs or outputs
 # (the modules a tensor belongs to, each as (index in ``modules()``, side), its gradient)
 GradientReader = Callable[[Sequence[tuple[int, Side]], torch.Tensor], None]
@@ -140,9 +142,13 @@ class Plan(Protocol):
     def read_add(self, module: str, call: int, index: int, action: Reader) -> None:
         """Hand ``action`` the result of the ``index``-th tensor add inside ``module``."""
 
-    def read_attention(self, module: str, action: Reader) -> None:
-        """Hand ``action`` the max |attention logit| of each head (a vector of ``heads`` values,
-        `Attention.heads`) for each attention product in ``module``."""
+    def read_attention(
+        self, module: str, action: AttentionReader, *, logit_max: bool = False
+    ) -> None:
+        """Hand ``action`` the `AttentionInputs` of each attention product ``module`` forms on
+        a logged forward. ``logit_max``: the action reads `AttentionInputs.logit_max` (eager
+        attention takes it as the logits form, before a mask overwrites them: only when a
+        reader asks)."""
 
     def read_outputs(self, action: Callable[[int, Any], None]) -> None:
         """Hand ``action(index, output)`` every module's output (index: in ``modules()``)."""
@@ -314,6 +320,9 @@ class Family:
     # what it reads is one many models lack (attention, BatchNorm, learned norm gains): the
     # lack is warned only when the family is asked for by name, not among all of them
     optional: ClassVar[bool] = False
+    # it costs more than the probe's budget for a logged step: measured only when asked for by
+    # name (``metrics=[..., name]``), not by default
+    opt_in: ClassVar[bool] = False
 
     def plan(self, plan: Plan) -> None:
         """Ask for reads and slots on a mapped model; register how the step's values become

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import probes
+from ... import probes
 from .base import Plan
 from .params import BlockParams
 

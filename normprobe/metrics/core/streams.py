@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from .. import probes
+from ... import probes
 from .base import Plan
 
 

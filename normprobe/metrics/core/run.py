@@ -7,8 +7,8 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .. import tags
-from . import FAMILIES, SERIES
+from ... import tags
+from .. import FAMILIES, SERIES
 from .base import MODEL, PROBLEM, Flag, Points, RunTag
 
 
@@ -53,7 +53,7 @@ def _stacks(tag_names: Sequence[str]) -> set[str]:
 
 @dataclass
 class RunView:
-    """A run as the families' `flags` read it (`normprobe.metrics.base.Run`)."""
+    """A run as the families' `flags` read it (`normprobe.metrics.core.base.Run`)."""
 
     scalars: Mapping[str, Points]
     texts: Mapping[str, list[tuple[int, str]]]

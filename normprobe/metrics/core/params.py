@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .. import probes
+from ... import probes
 from .base import Holdings, Out, Plan, Slot, Values
 
 # The weights before the step are kept whole up to SAMPLE_MIN entries per tensor; of larger
