@@ -107,30 +107,14 @@ class GradNorm(Family):
             if both is None:
                 return
             rest, total_squares = both
-            at = values.get(stepped)
-            if at is not None and total_squares > 0:
-                factor = math.sqrt(at[0] / total_squares)
-                if _loss_scaled(factor):
-                    if out.writes and not warned[0]:
-                        warned[0] = True
-                        _warn_scaled(out, factor)
-                    return  # the values read at the end of the backward carry a loss scale
-                out.scalar("grad_clip_factor", MODEL, min(1.0, factor))
-            elif plan.clip_norm is not None and total_squares > 0:
-                # clip_grad_norm_'s own factor, from the total it clips
-                factor = plan.clip_norm / (math.sqrt(total_squares) + CLIP_EPS)
-                out.scalar("grad_clip_factor", MODEL, min(1.0, factor))
+            if not _write_clip_factor(plan, out, total_squares, values.get(stepped), warned):
+                return  # the values read at the end of the backward carry a loss scale
             out.scalar("grad_norm_total", MODEL, math.sqrt(total_squares))
             out.scalar("grad_norm_rest", MODEL, math.sqrt(rest))
             for stack, slot in slots.items():
                 squares = values.get(slot)
-                if squares is None:
-                    continue
-                norms = {b: math.sqrt(v) for b, v in enumerate(squares)}
-                out.per_block("grad_norm", stack, norms)
-                first, last = norms[0], norms[len(norms) - 1]
-                if first:
-                    out.scalar("grad_ratio", plan.stack_name(stack), last / first)
+                if squares is not None:
+                    _write_blocks(plan, out, stack, squares)
 
         plan.on_gradients(read)
         plan.before_step(at_step)
@@ -148,6 +132,39 @@ class GradNorm(Family):
             if flag is not None:
                 found.append(flag)
         return found
+
+
+def _write_clip_factor(
+    plan: Plan, out: Out, total_squares: float, at_step: list[float] | None, warned: list[bool]
+) -> bool:
+    """Write the clip factor: the total gradient norm at the optimizer step over the one before
+    clipping (``at_step``: its squares), or clip_grad_norm_'s own factor where the trainer's
+    clip norm is known (`Plan.clip_norm`). False (and a warning, once) when the gradients
+    read before carried a loss scale: the step's gradient norms are not to be written."""
+    if total_squares <= 0:
+        return True
+    if at_step is not None:
+        factor = math.sqrt(at_step[0] / total_squares)
+        if _loss_scaled(factor):
+            if out.writes and not warned[0]:
+                warned[0] = True
+                _warn_scaled(out, factor)
+            return False
+    elif plan.clip_norm is not None:
+        factor = plan.clip_norm / (math.sqrt(total_squares) + CLIP_EPS)
+    else:
+        return True
+    out.scalar("grad_clip_factor", MODEL, min(1.0, factor))
+    return True
+
+
+def _write_blocks(plan: Plan, out: Out, stack: str, squares: list[float]) -> None:
+    """A stack's per-block gradient norms and its top/bottom ratio."""
+    norms = {b: math.sqrt(v) for b, v in enumerate(squares)}
+    out.per_block("grad_norm", stack, norms)
+    first, last = norms[0], norms[len(norms) - 1]
+    if first:
+        out.scalar("grad_ratio", plan.stack_name(stack), last / first)
 
 
 def _skew(

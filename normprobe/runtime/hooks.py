@@ -145,38 +145,19 @@ class Hooks:
     def _module(
         self, module: nn.Module, index: int | None, sites: list[tuple[str, Site]]
     ) -> list[Registration]:
-        recording, outputs, gradients = self.recording, self.outputs, self.gradients
-        watch = index is not None and bool(gradients.actions)
+        recording = self.recording
+        watch = index is not None and bool(self.gradients.actions)
 
         def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if not recording():
-                return
-            # the reads go around the modes a parent module entered: they are not the model's
-            # operations, and would cost a Python call each
-            with torch._C.DisableTorchFunction():
-                if watch:  # before the module runs: its inputs as they are called
-                    gradients.watch(index, "input", (args, kwargs))  # type: ignore[arg-type]
-                calls = [self._read_inputs(path, site, (args, kwargs)) for path, site in sites]
-            for (path, site), call in zip(sites, calls, strict=True):
-                self._enter_modes(path, site, call)
+            if recording():
+                self._call_starts(index if watch else None, sites, (args, kwargs))
 
         def post(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
             for path, _ in sites:
                 for mode in reversed(self.modes.pop(path, [])):
                     mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-            if not recording():
-                return
-            with torch._C.DisableTorchFunction():
-                for path, site in sites:
-                    call = self.calls.get(path, 0)
-                    for read in site.post:
-                        if read.call == call:
-                            read(out)
-                if index is not None:
-                    for action in outputs:
-                        action(index, out)
-                    if watch:
-                        gradients.watch(index, "output", out)
+            if recording():
+                self._call_ends(index, watch, sites, out)
 
         registrations: list[Registration] = []
         if watch or sites:
@@ -189,6 +170,37 @@ class Hooks:
             )
         )
         return registrations
+
+    def _call_starts(
+        self, watched: int | None, sites: list[tuple[str, Site]], inputs: tuple[Any, Any]
+    ) -> None:
+        """A recorded module call starts: its inputs' gradients watched (module ``watched``),
+        its sites' inputs read, and the modes that read inside it entered."""
+        # the reads go around the modes a parent module entered: they are not the model's
+        # operations, and would cost a Python call each
+        with torch._C.DisableTorchFunction():
+            if watched is not None:  # before the module runs: its inputs as they are called
+                self.gradients.watch(watched, "input", inputs)
+            calls = [self._read_inputs(path, site, inputs) for path, site in sites]
+        for (path, site), call in zip(sites, calls, strict=True):
+            self._enter_modes(path, site, call)
+
+    def _call_ends(
+        self, index: int | None, watch: bool, sites: list[tuple[str, Site]], out: Any
+    ) -> None:
+        """A recorded call of module ``index`` returned ``out``: its sites' outputs read, and
+        the output readers and gradient watch handed it."""
+        with torch._C.DisableTorchFunction():
+            for path, site in sites:
+                call = self.calls.get(path, 0)
+                for read in site.post:
+                    if read.call == call:
+                        read(out)
+            if index is not None:
+                for action in self.outputs:
+                    action(index, out)
+                if watch:
+                    self.gradients.watch(index, "output", out)
 
     def _read_inputs(self, path: str, site: Site, inputs: Any) -> int:
         """A recorded call of the module at ``path`` starts: count it and read its inputs; the
