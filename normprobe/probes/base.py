@@ -1,0 +1,46 @@
+"""Helpers the statistics share: the float type they reduce in, stacking scalars, the feature axis,
+and evenly spread samples."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def _wide(x: torch.Tensor) -> torch.dtype:
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _stacked(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Scalars (possibly on several devices) as one vector on the first one's device."""
+    device = values[0].device
+    return torch.stack([v if v.device == device else v.to(device) for v in values])
+
+
+def feature_dim(x: torch.Tensor) -> int:
+    """The feature axis: channels (dim 1) for images (N, C, H, W), else the last one."""
+    return 1 if x.ndim >= 4 else -1
+
+
+@functools.lru_cache(maxsize=256)  # a stream's shape comes back at every logged step
+def sample_stride(shape: tuple[int, ...], budget: int) -> int:
+    """Stride for an evenly spread sample of at most ``budget`` entries of a tensor.
+
+    1 (every entry) when the tensor fits; otherwise a prime that does not divide the last
+    dimension, so that the sample walks through all columns instead of repeating a few.
+    """
+    numel = math.prod(shape)
+    if numel <= budget:
+        return 1
+    stride = max(2, math.ceil(numel / budget))
+    last = shape[-1] if shape else 1
+    while not _is_prime(stride) or last % stride == 0:
+        stride += 1
+    return stride
+
+
+def _is_prime(n: int) -> bool:
+    return n >= 2 and all(n % d for d in range(2, math.isqrt(n) + 1))

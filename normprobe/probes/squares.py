@@ -1,0 +1,294 @@
+"""Sums of squared entries of many tensors at once (gradients, weights): exact, batched by shape,
+or from a fixed sample of runs of entries."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .shards import _dtensor_type, local, shard_share
+
+
+def squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared entries of each tensor, as one vector (float32, or float64 if a tensor is),
+    on the first tensor's device. The square root of a block's sum is its L2 norm; squares,
+    unlike norms, add up across shards.
+
+    Of a DTensor (FSDP2), its local shard's, weighted by `shard_share`: summed over ranks,
+    the whole tensor's; of a sparse tensor (an ``nn.Embedding(sparse=True)`` gradient), its
+    values'.
+    """
+    tensors = [t.coalesce().values() if t.is_sparse else t for t in tensors]
+    shares = None
+    dtensor = _dtensor_type()
+    if dtensor is not None and any(isinstance(t, dtensor) for t in tensors):
+        shares = [shard_share(t) for t in tensors]
+        tensors = [local(t) for t in tensors]
+    wide = None if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    norms = torch._foreach_norm(list(tensors), 2, dtype=wide)
+    if shares is not None and any(share != 1.0 for share in shares):
+        norms = torch._foreach_mul(norms, [math.sqrt(share) for share in shares])
+    device = norms[0].device
+    return torch.stack([n if n.device == device else n.to(device) for n in norms]).pow(2)
+
+
+# Tensors of at most this many entries are reduced by shape (`ByShape`): a CPU spends a few
+# microseconds on each call, most of a small tensor's cost, and a large one's arithmetic outweighs
+# its call. The stacked copy of a group is as large as the group's tensors.
+SMALL_NUMEL = 1 << 14
+
+
+class ByShape:
+    """A fixed list of tensors (a model's parameters, or their gradients, in the same order)
+    reduced by shape: the small plain tensors of one shape, dtype and device in one call on
+    their stacked copy, every other one (large, float64, a DTensor) as `squared_norms` does.
+
+    Host work then grows with the number of shapes, not of tensors: a 48-block stack's 194
+    parameters are 2 groups. Results come in the list's order.
+    """
+
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], groupable: Sequence[bool] | None = None
+    ) -> None:
+        """``groupable``: which tensors may join a group (all by default)."""
+        self.count = len(tensors)
+        by_key: dict[tuple[object, ...], list[int]] = {}
+        for i, t in enumerate(tensors):
+            small = t.numel() <= SMALL_NUMEL and t.dtype != torch.float64
+            plain = type(t) in (torch.Tensor, torch.nn.Parameter)  # no DTensor, no subclass
+            if small and plain and (groupable is None or groupable[i]):
+                by_key.setdefault((t.shape, t.dtype, t.device), []).append(i)
+        self.groups = [group for group in by_key.values() if len(group) > 1]
+        grouped = {i for group in self.groups for i in group}
+        self.alone = [i for i in range(self.count) if i not in grouped]
+        wide = any(tensors[i].dtype == torch.float64 for i in self.alone)
+        self.dtype = torch.float64 if wide else torch.float32
+        self._positions: dict[torch.device, list[torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def squared_norms(
+        self, tensors: Sequence[torch.Tensor | None], device: torch.device
+    ) -> torch.Tensor:
+        """`squared_norms` of ``tensors`` (None: 0), one value each on ``device``."""
+        out = torch.zeros(self.count, dtype=self.dtype, device=device)
+        positions = self._positions_on(device)
+        for group, where in zip(self.groups, positions, strict=False):
+            members = [tensors[i] for i in group]
+            present = [t for t in members if t is not None]
+            if len(present) < len(members):  # gradients not made yet: 0
+                if not present:
+                    continue
+                where = torch.tensor([i for i in group if tensors[i] is not None], device=device)
+            try:
+                squares = _row_squares(torch.stack(present))
+            except RuntimeError:  # a tensor changed shape since (FSDP1 swaps shards and wholes)
+                squares = squared_norms(present)
+            out.index_copy_(0, where, squares.to(device, self.dtype))
+        alone = [(i, t) for i in self.alone if (t := tensors[i]) is not None]
+        if alone:
+            if len(alone) < len(self.alone):
+                where = torch.tensor([i for i, _ in alone], device=device)
+            else:
+                where = positions[-1]
+            squares = squared_norms([t for _, t in alone])
+            out.index_copy_(0, where, squares.to(device, self.dtype))
+        return out
+
+    @torch.no_grad()
+    def copies(self, tensors: Sequence[torch.Tensor], strides: Sequence[int]) -> list[torch.Tensor]:
+        """What `change_squares` compares against once ``tensors`` changed: a stacked copy of
+        each group (whose strides must be 1), then `strided_samples` of the others."""
+        groups = [torch.stack([tensors[i] for i in group]) for group in self.groups]
+        alone = [tensors[i] for i in self.alone]
+        return groups + strided_samples(alone, [strides[i] for i in self.alone])
+
+    @torch.no_grad()
+    def copy_squares(self, copies: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Per tensor, in float32, the sum of squares of what `copies` holds of it (of the
+        strided sample, for a tensor alone with a stride above 1)."""
+        device = copies[0].device
+        squares = torch.zeros(self.count, device=device)
+        positions = self._positions_on(device)
+        for before, where in zip(copies[: len(self.groups)], positions, strict=False):
+            squares.index_copy_(0, where, _row_squares(before).to(device))
+        if self.alone:
+            alone = squared_norms(list(copies[len(self.groups) :]))
+            squares.index_copy_(0, positions[-1], alone.to(device, torch.float32))
+        return squares
+
+    @torch.no_grad()
+    def change_squares(
+        self,
+        tensors: Sequence[torch.Tensor],
+        strides: Sequence[int],
+        copies: Sequence[torch.Tensor],
+    ) -> torch.Tensor:
+        """Per tensor, in float32, the sum of squares of its change since `copies` was taken
+        (of the strided sample, for a tensor alone with a stride above 1)."""
+        device = copies[0].device
+        change = torch.zeros(self.count, device=device)
+        positions = self._positions_on(device)
+        for group, before, where in zip(self.groups, copies, positions, strict=False):
+            now = torch.stack([tensors[i] for i in group])
+            change.index_copy_(0, where, _row_squares(now.sub_(before)).to(device))
+        if self.alone:
+            before_alone = list(copies[len(self.groups) :])
+            views = strided_views(
+                [tensors[i] for i in self.alone], [strides[i] for i in self.alone]
+            )
+            moved = squared_norms(torch._foreach_sub(views, before_alone))
+            change.index_copy_(0, positions[-1], moved.to(device, torch.float32))
+        return change
+
+    def _positions_on(self, device: torch.device) -> list[torch.Tensor]:
+        """Each group's positions as an index tensor on ``device``, then the others' (made
+        once per device)."""
+        if device not in self._positions:
+            lists = [*self.groups, self.alone]
+            self._positions[device] = [torch.tensor(p, device=device) for p in lists]
+        return self._positions[device]
+
+
+def _row_squares(stacked: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of each tensor stacked along the first axis, in float32."""
+    rows = stacked.reshape(len(stacked), -1)
+    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32).pow_(2)
+
+
+# `SquareSums` reads a sampled tensor in runs of this many consecutive entries: 64 bytes of
+# float32, one cache line. Single entries at a stride of 16 floats or more would each cost a
+# whole line: as much memory traffic as reading the tensor whole.
+CHUNK = 16
+
+
+class SquareSums:
+    """Sums of squared entries of a fixed list of tensors on one device (a model's gradients,
+    new tensors each step, given in the same order; None counts 0), each read whole or, past
+    ``sample`` entries, estimated from a fixed sample of about ``sample`` of them.
+
+    The sample of a tensor is a run of `CHUNK` consecutive entries (in memory order) every
+    ``CHUNK * q`` entries, ``q`` prime to a row's length (the entries past the first axis) so
+    that the runs walk through all columns rather than repeat a few; its sum of squares times
+    numel / entries read estimates the tensor's. The positions are the same at every step.
+    The plain tensors read whole of at most `SMALL_NUMEL` entries are concatenated, reduced in
+    one call (a CPU spends microseconds on each call); the others (larger, a DTensor, a
+    subclass) are read as `squared_norms` does. Results come in float32, in the order of
+    `order` (positions in the list).
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        sample: int | None,
+        whole: Sequence[bool] | None = None,
+    ) -> None:
+        """``whole``: which tensors to read whole whatever their size, as `squared_norms` does
+        (the gradient of an embedding table: a few rows, which a sample would mostly miss, or
+        a sparse tensor)."""
+        plain = [type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors]
+        runs = []
+        for i, t in enumerate(tensors):
+            if plain[i] and sample is not None and t.numel() > sample and not (whole and whole[i]):
+                period = CHUNK * _run_period(t.numel(), t.numel() // len(t), sample)
+                runs.append((i, (1 + (t.numel() - CHUNK) // period, CHUNK), (period, 1)))
+        sampled = {i for i, _, _ in runs}
+        joined = [
+            i
+            for i, t in enumerate(tensors)
+            if plain[i]
+            and i not in sampled
+            and t.numel() <= SMALL_NUMEL
+            and not (whole and whole[i])
+        ]
+        self.alone = [i for i in range(len(tensors)) if i not in sampled and i not in joined]
+        self.order = joined + [i for i, _, _ in runs] + self.alone
+        self.joined = [(i, tensors[i].dim() != 1, tensors[i].numel()) for i in joined]
+        self.runs = runs
+        self.sampled = [i for i, _, _ in runs]  # the positions of the tensors sampled
+        device = tensors[0].device
+        self._lengths = torch.tensor([n for _, _, n in self.joined], device=device)
+        self._rows = torch.tensor([size[0] for _, size, _ in runs], device=device)
+        self._scales = torch.tensor(
+            [tensors[i].numel() / (size[0] * CHUNK) for i, size, _ in runs], device=device
+        )
+        self._zeros: dict[int, torch.Tensor] = {}
+        self._device = device
+
+    def __call__(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """The sums (estimates of the sampled ones) of ``tensors`` in the order `order`; under
+        ``torch.no_grad()`` for gradients made with ``create_graph``."""
+        parts = []
+        if self.joined:
+            flat = torch.cat(
+                [
+                    self._zero(n) if (t := tensors[i]) is None else t.reshape(-1) if nd else t
+                    for i, nd, n in self.joined
+                ]
+            )
+            flat = flat if flat.dtype == torch.float64 else flat.float()
+            # unsafe: the lengths are right by construction; checking them reads them back
+            parts.append(
+                torch.segment_reduce(flat * flat, "sum", lengths=self._lengths, unsafe=True).float()
+            )
+        if self.runs:
+            runs = torch.cat(
+                [
+                    self._zero(size[0] * CHUNK).view(size)
+                    if (t := tensors[i]) is None
+                    else t.as_strided(size, stride, t.storage_offset())
+                    if t.is_contiguous()
+                    else _runs(t, size, stride)
+                    for i, size, stride in self.runs
+                ]
+            )
+            runs = runs if runs.dtype == torch.float64 else runs.float()
+            rows = torch.linalg.vecdot(runs, runs)
+            squares = torch.segment_reduce(rows, "sum", lengths=self._rows, unsafe=True).float()
+            parts.append(squares.mul_(self._scales))
+        if self.alone:  # a missing gradient as a one-entry zero
+            none = self._zero(1)
+            alone = [none if (t := tensors[i]) is None else t for i in self.alone]
+            parts.append(squared_norms(alone).float())
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _zero(self, numel: int) -> torch.Tensor:
+        if numel not in self._zeros:
+            self._zeros[numel] = torch.zeros(numel, device=self._device)
+        return self._zeros[numel]
+
+
+def _run_period(numel: int, row: int, sample: int) -> int:
+    """``q`` for `SquareSums`: at least numel / ``sample`` (at most ``sample`` entries read)
+    and prime to ``row``."""
+    q = max(2, math.ceil(numel / sample))
+    while math.gcd(q, row) != 1:
+        q += 1
+    return q
+
+
+def _runs(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """The runs of entries `SquareSums` reads of a tensor that is not contiguous, in memory
+    order: a view when it fills its memory in a permuted order (channels_last), else runs of
+    a contiguous copy."""
+    by_stride = sorted(range(t.dim()), key=lambda d: -t.stride()[d])
+    if not t.permute(by_stride).is_contiguous():
+        t = t.contiguous()
+    return t.as_strided(size, stride, t.storage_offset())
+
+
+def group_sums(values: torch.Tensor, index: torch.Tensor, groups: int) -> torch.Tensor:
+    """``out[g]``: the sum of the ``values[i]`` with ``index[i] == g``, for ``g < groups``."""
+    return values.new_zeros(groups).index_add_(0, index, values)
+
+
+def strided_views(tensors: Sequence[torch.Tensor], strides: Sequence[int]) -> list[torch.Tensor]:
+    """Every ``stride``-th entry of each tensor (flattened), as views (no copy)."""
+    shards = [local(t).detach() for t in tensors]  # a DTensor's (FSDP2) local shard
+    return [t if s == 1 else t.reshape(-1)[::s] for t, s in zip(shards, strides, strict=True)]
+
+
+def strided_samples(tensors: Sequence[torch.Tensor], strides: Sequence[int]) -> list[torch.Tensor]:
+    """Copies of `strided_views`: what `ByShape.change_squares` compares against."""
+    return [view.clone() for view in strided_views(tensors, strides)]
