@@ -65,6 +65,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Ranks:
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_the_stages_are_zero_optimizers(ranks: Ranks) -> None:
     names = {stage: ranks[0][stage]["optimizer"] for stage in ("0", *STAGES)}
     assert names == {
@@ -75,6 +77,8 @@ def test_the_stages_are_zero_optimizers(ranks: Ranks) -> None:
     }
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_gradient_norms_are_the_whole_gradients_before_clipping(ranks: Ranks, stage: str) -> None:
     reference, run = ranks[0]["0"], ranks[0][stage]
@@ -87,6 +91,8 @@ def test_gradient_norms_are_the_whole_gradients_before_clipping(ranks: Ranks, st
         assert ranks[1][stage]["logged"][step] == run["logged"][step]  # one reduced value
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_weight_statistics_are_of_the_whole_weights(ranks: Ranks, stage: str) -> None:
     reference, run = ranks[0]["0"], ranks[0][stage]
@@ -102,6 +108,8 @@ def test_weight_statistics_are_of_the_whole_weights(ranks: Ranks, stage: str) ->
         assert all(v > 0 for v in logged["resid_rms"])  # the forward's reads, stage 3 too
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_one_collective_per_logged_step_and_hooks_removed(ranks: Ranks, stage: str) -> None:
     for rank in (0, 1):
@@ -111,6 +119,8 @@ def test_one_collective_per_logged_step_and_hooks_removed(ranks: Ranks, stage: s
     assert (ranks[0][stage]["sinks"], ranks[1][stage]["sinks"]) == (2, 0)  # rank 0 writes
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_without_the_zero_optimizer_the_parameter_families_are_refused(
     ranks: Ranks, stage: str
@@ -124,6 +134,8 @@ def test_without_the_zero_optimizer_the_parameter_families_are_refused(
     assert ranks[1][stage]["unpaired"] == [["resid_rms"], []]  # rank 0 says it
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_hf_trainer_with_a_zero_3_config_logs_gradients_before_clipping(tmp_path: Path) -> None:
     """The Trainer runs DeepSpeed's step inside Accelerate's backward, before it calls any
     callback: the callback reads the gradients when the ZeRO optimizer's step starts."""

@@ -14,6 +14,8 @@ from tb import read_events
 
 from normprobe import tags
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.distributed]
+
 SCRIPT = Path(__file__).parents[1] / "helpers" / "ddp_train.py"
 
 

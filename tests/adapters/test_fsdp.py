@@ -73,6 +73,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     }
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_parameters_are_sharded_or_replicated(runs: dict[str, Run], mode: str) -> None:
     _, ranks = runs[mode]
@@ -85,6 +87,8 @@ def test_parameters_are_sharded_or_replicated(runs: dict[str, Run], mode: str) -
             assert local < full  # this rank holds part of the block's parameters
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_gradient_norms_are_the_full_gradients(runs: dict[str, Run], mode: str) -> None:
     out, ranks = runs[mode]
@@ -98,6 +102,8 @@ def test_gradient_norms_are_the_full_gradients(runs: dict[str, Run], mode: str) 
             assert value == pytest.approx(full[str(step)][block], rel=1e-5)
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_update_ratios_and_gains_are_of_the_whole_tensors(runs: dict[str, Run], mode: str) -> None:
     out, ranks = runs[mode]
@@ -116,6 +122,8 @@ def test_update_ratios_and_gains_are_of_the_whole_tensors(runs: dict[str, Run], 
             assert (mean, std) == pytest.approx((want_mean, want_std), rel=1e-5)
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_one_collective_per_logged_step_and_no_implicit_ones(
     runs: dict[str, Run], mode: str
@@ -127,6 +135,8 @@ def test_one_collective_per_logged_step_and_no_implicit_ones(
         assert ranks[rank]["dtensor_ops"] == []  # none could redistribute a shard
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_rank_zero_writes_unsharded_names(runs: dict[str, Run], mode: str) -> None:
     out, ranks = runs[mode]

@@ -166,6 +166,8 @@ def test_attach_unwraps_an_accelerate_optimizer() -> None:
         normprobe.attach(nn.Linear(2, 2), 3)  # type: ignore[arg-type]
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_ddp_through_accelerate_launch(tmp_path: Path) -> None:
     """Two CPU processes (DDP over gloo) under `accelerate launch`: the main process alone
     writes, on the Trainer's steps, the gradients both ranks hold after DDP averaged them and

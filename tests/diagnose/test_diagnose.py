@@ -413,6 +413,7 @@ def test_cli_bad_entries(
         assert message in err, err
 
 
+@pytest.mark.subprocess
 def test_cli_runs_as_a_module(entry_module: str, tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "normprobe.cli", "diagnose", f"{entry_module}:no_final_norm"],

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tb import read_events
 
 from normprobe import tags
+
+pytestmark = pytest.mark.subprocess
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 

@@ -17,6 +17,8 @@ from tb import read_events
 from normprobe import tags
 from normprobe.muparam import COORD_PANEL_SIZE
 
+pytestmark = pytest.mark.subprocess
+
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 # every expectation each check script declares: all must print an OK line

@@ -33,6 +33,7 @@ def test_the_readme_has_runnable_blocks() -> None:
     assert len(blocks) >= 8 and sum(why is None for _, _, why in blocks) >= 4
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("line", "code", "why"), _blocks(), ids=lambda v: str(v)[:8])
 def test_readme_block(tmp_path: Path, line: int, code: str, why: str | None) -> None:
     compile(code, f"README.md:{line}", "exec")  # every block is valid Python

@@ -6,10 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import normprobe
 from normprobe.models import ResidualStack
+
+pytestmark = pytest.mark.subprocess
 
 
 def _normprobe(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

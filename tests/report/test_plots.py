@@ -177,6 +177,7 @@ def test_panels_integer_block_ticks_and_log_scale_over_decades() -> None:
     assert axes[0].get_title() == "grad_norm" and axes[0].get_xlabel() == "block"
 
 
+@pytest.mark.subprocess
 def test_matplotlib_is_optional(monkeypatch: pytest.MonkeyPatch) -> None:
     code = (
         "import sys, normprobe, normprobe.plots, normprobe.report, normprobe.muparam;"

@@ -365,6 +365,7 @@ f.train(model, opt, f.Tripwire(model, "", None))
 """
 
 
+@pytest.mark.subprocess
 def test_a_process_that_dies_of_an_uncaught_exception_leaves_its_steps_on_disk(
     tmp_path: Path, reference: Events
 ) -> None:

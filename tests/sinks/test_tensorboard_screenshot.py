@@ -24,7 +24,10 @@ from normprobe.models import TinyTransformer
 from normprobe.sinks import heatmap_tag
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed")
+pytestmark = [
+    pytest.mark.subprocess,
+    pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed"),
+]
 
 
 def _screenshot(url: str, out: Path, profile: Path) -> Image.Image:

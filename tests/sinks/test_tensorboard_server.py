@@ -17,6 +17,8 @@ from normprobe import tags
 from normprobe.models import TinyTransformer
 from normprobe.sinks import heatmap_tag
 
+pytestmark = pytest.mark.subprocess
+
 
 def test_server_lists_tags_layout_and_depth_heatmaps(
     serve: Callable[[Path], str], tmp_path: Path
