@@ -5,7 +5,9 @@ Every model is built from a config (no downloads), seeded with ``torch.manual_se
 
 The expected numbers were derived by reading each model's source (transformers 5.24.0,
 timm 1.0.31; line numbers refer to those files under ``site-packages``) and are explained in the
-comment above each builder. A few were then cross-checked by counting modules by class.
+comment above each builder. A few were then cross-checked by counting modules by class. The
+Hugging Face models are rows of a table (`HFCase`: config, options, inputs, expectations) that one
+builder, `build_hf`, makes; ``zoo_hf.py`` uses the same table form.
 
 Conventions used in ``Expected``:
 
@@ -23,6 +25,7 @@ Conventions used in ``Expected``:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +37,19 @@ from torch import nn
 
 from normprobe.models import ResidualStack
 
-__all__ = ["NAMES", "UNTRACEABLE", "Expected", "ZooModel", "build", "deepnet_alpha"]
+__all__ = [
+    "NAMES",
+    "UNTRACEABLE",
+    "Built",
+    "Expected",
+    "HFCase",
+    "Inputs",
+    "ZooModel",
+    "build",
+    "build_hf",
+    "deepnet_alpha",
+    "lm_inputs",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +102,37 @@ BATCH = 2
 
 def _token_ids(vocab: int = VOCAB) -> torch.Tensor:
     return torch.randint(0, vocab, (BATCH, SEQ))
+
+
+Inputs = tuple[tuple[object, ...], dict[str, object]]
+Built = tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]
+
+
+def lm_inputs() -> Inputs:
+    """Token ids for a language model, without its key/value cache."""
+    return (_token_ids(),), {"use_cache": False}
+
+
+@dataclass(frozen=True)
+class HFCase:
+    """A Hugging Face architecture as a row of a table: ``model(config(**options))`` (class
+    names in ``transformers``), run on ``inputs()`` (drawn after the model is built), mapped as
+    ``expected``."""
+
+    config: str
+    model: str
+    options: dict[str, Any]
+    expected: Expected
+    inputs: Callable[[], Inputs] = lm_inputs
+
+
+def build_hf(case: HFCase) -> Built:
+    """The model, inputs and expectations of ``case``."""
+    import transformers
+
+    model = getattr(transformers, case.model)(getattr(transformers, case.config)(**case.options))
+    args, kwargs = case.inputs()
+    return model, args, kwargs, case.expected
 
 
 class FeatureScaler(nn.Module):
@@ -297,21 +343,28 @@ class ControlFlowNet(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def _gpt2_config(attn: str) -> Any:
-    from transformers import GPT2Config
+def _bert_inputs() -> Inputs:
+    ids = _token_ids()
+    mask = torch.ones_like(ids)
+    mask[1, -4:] = 0
+    return (ids,), {"attention_mask": mask, "use_cache": False}
 
-    kwargs: dict[str, Any] = {
-        "vocab_size": VOCAB,
-        "n_positions": 64,
-        "n_embd": 64,
-        "n_layer": 4,
-        "n_head": 4,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "attn_implementation": attn,
-    }
-    return GPT2Config(**kwargs)
 
+def _t5_inputs() -> Inputs:
+    ids = _token_ids()
+    dec = _token_ids()
+    return (ids,), {"decoder_input_ids": dec, "use_cache": False}
+
+
+_GPT2: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "n_positions": 64,
+    "n_embd": 64,
+    "n_layer": 4,
+    "n_head": 4,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
 
 # GPT-2 (transformers/models/gpt2/modeling_gpt2.py), 4 layers:
 # - Norms: GPT2Block.__init__ L254 `self.ln_1 = nn.LayerNorm(...)`, L256 `self.ln_2 = ...`
@@ -334,294 +387,280 @@ def _gpt2_config(attn: str) -> Any:
 #   (transformers/integrations/sdpa_attention.py L182 `scaled_dot_product_attention`) for "sdpa",
 #   or eager_attention_forward (L55-64, `softmax`) for "eager" -> 1 per block = 4.
 # - Head: GPT2LMHeadModel L642 `self.lm_head = nn.Linear(...)`, L698 `logits = self.lm_head(...)`.
-def _gpt2(attn: str) -> tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]:
-    from transformers import GPT2LMHeadModel
+_GPT2_EXPECTED = Expected(
+    norms={"layernorm": 9},
+    roles={"pre": 8, "final": 1},
+    stacks={"transformer.h": (4, "pre-ln")},
+    adds_per_stack={"transformer.h": 8},
+    residual_adds=8,
+    branch_out={
+        "transformer.h.0#0": "transformer.h.0.attn.c_proj",
+        "transformer.h.0#1": "transformer.h.0.mlp.c_proj",
+        "transformer.h.3#1": "transformer.h.3.mlp.c_proj",
+    },
+    attention=4,
+    head="lm_head",
+)
 
-    model = GPT2LMHeadModel(_gpt2_config(attn))
-    exp = Expected(
-        norms={"layernorm": 9},
-        roles={"pre": 8, "final": 1},
-        stacks={"transformer.h": (4, "pre-ln")},
-        adds_per_stack={"transformer.h": 8},
-        residual_adds=8,
-        branch_out={
-            "transformer.h.0#0": "transformer.h.0.attn.c_proj",
-            "transformer.h.0#1": "transformer.h.0.mlp.c_proj",
-            "transformer.h.3#1": "transformer.h.3.mlp.c_proj",
+_GEMMA: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "sliding_window": 8,
+    "query_pre_attn_scalar": 16,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+_HF_CASES: dict[str, HFCase] = {
+    # GPT-2: see the comment above _GPT2_EXPECTED; the same model with sdpa and eager attention
+    "gpt2": HFCase(
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {**_GPT2, "attn_implementation": "sdpa"},
+        _GPT2_EXPECTED,
+    ),
+    "gpt2_eager": HFCase(
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {**_GPT2, "attn_implementation": "eager"},
+        _GPT2_EXPECTED,
+    ),
+    # Llama (transformers/models/llama/modeling_llama.py), 4 layers:
+    # - Norms: LlamaRMSNorm (L53) computes `variance = hidden_states.pow(2).mean(-1, keepdim=True)`
+    #   (L65, no mean subtraction) -> rmsnorm. LlamaDecoderLayer.__init__ L282 `input_layernorm`,
+    #   L283 `post_attention_layernorm` -> 2 per layer = 8; LlamaModel L347 `self.norm` -> 1. Total
+    #   9.
+    # - Roles: LlamaDecoderLayer.forward: `residual = hidden_states; hidden_states =
+    #   self.input_layernorm(hidden_states)` feeds self_attn; `residual = hidden_states;
+    #   hidden_states = self.post_attention_layernorm(hidden_states)` feeds mlp. Despite its name
+    #   post_attention_layernorm is a `pre` norm of the MLP branch -> 8 pre. L404
+    #   `hidden_states = self.norm(hidden_states)` after the layer loop -> final (1).
+    # - Residual adds: L308 and L314 `hidden_states = residual + hidden_states` -> 2 per layer = 8,
+    #   performed by `model.layers.N`, ordinals 0 and 1. Rotary arithmetic in apply_rotary_pos_emb
+    #   (`(q * cos) + (rotate_half(q) * sin)`) is not residual.
+    # - branch_out: LlamaAttention.forward L270 `attn_output = self.o_proj(attn_output)`;
+    #   LlamaMLP.forward L164 `down_proj = self.down_proj(...)`.
+    # - Stack: LlamaModel L344 `self.layers = nn.ModuleList([LlamaDecoderLayer ...])` -> 4, pre-ln.
+    # - Attention: LlamaAttention (L206) calls attention_interface (L258) -> 4.
+    # - Head: LlamaForCausalLM L422 `self.lm_head = nn.Linear(...)`.
+    "llama": HFCase(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        Expected(
+            norms={"rmsnorm": 9},
+            roles={"pre": 8, "final": 1},
+            stacks={"model.layers": (4, "pre-ln")},
+            adds_per_stack={"model.layers": 8},
+            residual_adds=8,
+            branch_out={
+                "model.layers.0#0": "model.layers.0.self_attn.o_proj",
+                "model.layers.0#1": "model.layers.0.mlp.down_proj",
+                "model.layers.2#0": "model.layers.2.self_attn.o_proj",
+            },
+            attention=4,
+            head="lm_head",
+        ),
+    ),
+    # BERT (transformers/models/bert/modeling_bert.py), BertModel with 4 layers:
+    # - Norms: BertEmbeddings L63 `self.LayerNorm`; BertSelfOutput L287 `self.LayerNorm`; BertOutput
+    #   L346 `self.LayerNorm` -> 1 + 2 per layer = 9 layernorm. (BertPredictionHeadTransform's
+    #   LayerNorm, L478, belongs to the MLM heads, which BertModel does not build.)
+    # - Roles: BertEmbeddings.forward L102-107 sums word + token-type + position embeddings and
+    #   normalizes them -> `other` (1). BertSelfOutput.forward L293
+    #   `hidden_states = self.LayerNorm(hidden_states + input_tensor)` and BertOutput.forward L352
+    #   (same line) normalize the residual sum, and that output is the stream -> `post` (8).
+    # - Residual adds: the `hidden_states + input_tensor` at L293 (input_tensor is the attention
+    #   block's input, passed at L323 `self.output(attention_output, hidden_states)`) and at L352
+    #   (input_tensor = attention_output, passed at L418) -> 2 per layer = 8, performed by
+    #   `encoder.layer.N.attention.output` and `encoder.layer.N.output`, ordinal 0 each. The
+    #   embedding adds (L102, L105) are position/type embedding adds, not residual.
+    # - branch_out: BertSelfOutput.dense (L291) and BertOutput.dense (L350), both the last Linear
+    #   before the add.
+    # - Stack: BertEncoder L426 `self.layer = nn.ModuleList([BertLayer ...])` -> 4, post-ln.
+    # - Attention: BertSelfAttention (L140) calls attention_interface (L194) -> 4.
+    # - Head: BertModel has no logits layer; BertPooler.dense (L458) produces `pooler_output`
+    #   (tanh of the first token), not logits -> None.
+    "bert": HFCase(
+        "BertConfig",
+        "BertModel",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            pad_token_id=0,
+        ),
+        Expected(
+            norms={"layernorm": 9},
+            roles={"post": 8, "other": 1},
+            stacks={"encoder.layer": (4, "post-ln")},
+            adds_per_stack={"encoder.layer": 8},
+            residual_adds=8,
+            branch_out={
+                "encoder.layer.0.attention.output#0": "encoder.layer.0.attention.output.dense",
+                "encoder.layer.0.output#0": "encoder.layer.0.output.dense",
+                "encoder.layer.3.output#0": "encoder.layer.3.output.dense",
+            },
+            attention=4,
+            head=None,
+        ),
+        inputs=_bert_inputs,
+    ),
+    # T5 (transformers/models/t5/modeling_t5.py), T5Model with 2 encoder + 2 decoder blocks:
+    # - Norms: T5LayerNorm (L51) computes `variance = hidden_states.to(float32).pow(2).mean(-1)`
+    #   (L66, no mean subtraction, no bias) -> rmsnorm. One `layer_norm` in each
+    #   T5LayerSelfAttention (L383), T5LayerCrossAttention (L413) and T5LayerFF (L135); T5Block
+    #   (L443-450) holds [SelfAttention, FF] in the encoder and [SelfAttention, CrossAttention, FF]
+    #   in the decoder -> 2*2 + 2*3 = 10; each T5Stack has `final_layer_norm` (L654) -> 2.
+    #   Total 12 rmsnorm.
+    # - Roles: each sub-layer does `normed = self.layer_norm(hidden_states)` -> sublayer ->
+    #   `hidden_states + self.dropout(...)` (L395-403, L426-435, L139-141) -> 10 pre. L745
+    #   `hidden_states = self.final_layer_norm(hidden_states)` after the block loop (L728) -> final
+    #   (2).
+    # - Residual adds: L403 `attention_output = hidden_states + self.dropout(attention_output)`,
+    #   L435 `layer_output = hidden_states + self.dropout(attention_output)`, L141
+    #   `hidden_states = hidden_states + self.dropout(forwarded_states)` -> encoder 2 per block,
+    #   decoder 3 per block -> 4 + 6 = 10, performed by `{encoder,decoder}.block.N.layer.M`, ordinal
+    #   0 each. The position-bias and mask adds (L163, L166, or inside sdpa's mask) don't count.
+    # - branch_out: T5Attention.forward L369 `attn_output = self.o(attn_output)` (SelfAttention.o,
+    #   EncDecAttention.o); T5DenseActDense.forward L94 `hidden_states = self.wo(hidden_states)`.
+    # - Stacks: T5Stack L651 `self.block = nn.ModuleList([T5Block ...])` -> encoder.block (2) and
+    #   decoder.block (2), both pre-ln. `block.N.layer` is a ModuleList of DIFFERENT classes
+    #   (T5LayerSelfAttention, [T5LayerCrossAttention,] T5LayerFF) -> not a stack. So adds belong to
+    #   encoder.block (4) and decoder.block (6).
+    # - Attention: T5Attention (L177) calls attention_interface (L356): encoder 2 self, decoder 2
+    #   self + 2 cross -> 6.
+    # - Head: T5Model has no lm_head (only T5ForConditionalGeneration does, L926) -> None.
+    "t5": HFCase(
+        "T5Config",
+        "T5Model",
+        {
+            "vocab_size": VOCAB,
+            "d_model": 64,
+            "d_kv": 16,
+            "d_ff": 128,
+            "num_layers": 2,
+            "num_decoder_layers": 2,
+            "num_heads": 4,
+            "relative_attention_num_buckets": 8,
+            "relative_attention_max_distance": 16,
+            "decoder_start_token_id": 0,
+            "pad_token_id": 0,
+            "eos_token_id": 1,
         },
-        attention=4,
-        head="lm_head",
-    )
-    return model, (_token_ids(),), {"use_cache": False}, exp
-
-
-def build_gpt2() -> tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]:
-    return _gpt2("sdpa")
-
-
-def build_gpt2_eager() -> tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]:
-    return _gpt2("eager")
-
-
-# Llama (transformers/models/llama/modeling_llama.py), 4 layers:
-# - Norms: LlamaRMSNorm (L53) computes `variance = hidden_states.pow(2).mean(-1, keepdim=True)`
-#   (L65, no mean subtraction) -> rmsnorm. LlamaDecoderLayer.__init__ L282 `input_layernorm`,
-#   L283 `post_attention_layernorm` -> 2 per layer = 8; LlamaModel L347 `self.norm` -> 1. Total 9.
-# - Roles: LlamaDecoderLayer.forward: `residual = hidden_states; hidden_states =
-#   self.input_layernorm(hidden_states)` feeds self_attn; `residual = hidden_states;
-#   hidden_states = self.post_attention_layernorm(hidden_states)` feeds mlp. Despite its name
-#   post_attention_layernorm is a `pre` norm of the MLP branch -> 8 pre. L404
-#   `hidden_states = self.norm(hidden_states)` after the layer loop -> final (1).
-# - Residual adds: L308 and L314 `hidden_states = residual + hidden_states` -> 2 per layer = 8,
-#   performed by `model.layers.N`, ordinals 0 and 1. Rotary arithmetic in apply_rotary_pos_emb
-#   (`(q * cos) + (rotate_half(q) * sin)`) is not residual.
-# - branch_out: LlamaAttention.forward L270 `attn_output = self.o_proj(attn_output)`;
-#   LlamaMLP.forward L164 `down_proj = self.down_proj(...)`.
-# - Stack: LlamaModel L344 `self.layers = nn.ModuleList([LlamaDecoderLayer ...])` -> 4, pre-ln.
-# - Attention: LlamaAttention (L206) calls attention_interface (L258) -> 4.
-# - Head: LlamaForCausalLM L422 `self.lm_head = nn.Linear(...)`.
-def build_llama() -> tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = LlamaForCausalLM(config)
-    exp = Expected(
-        norms={"rmsnorm": 9},
-        roles={"pre": 8, "final": 1},
-        stacks={"model.layers": (4, "pre-ln")},
-        adds_per_stack={"model.layers": 8},
-        residual_adds=8,
-        branch_out={
-            "model.layers.0#0": "model.layers.0.self_attn.o_proj",
-            "model.layers.0#1": "model.layers.0.mlp.down_proj",
-            "model.layers.2#0": "model.layers.2.self_attn.o_proj",
-        },
-        attention=4,
-        head="lm_head",
-    )
-    return model, (_token_ids(),), {"use_cache": False}, exp
-
-
-# BERT (transformers/models/bert/modeling_bert.py), BertModel with 4 layers:
-# - Norms: BertEmbeddings L63 `self.LayerNorm`; BertSelfOutput L287 `self.LayerNorm`; BertOutput
-#   L346 `self.LayerNorm` -> 1 + 2 per layer = 9 layernorm. (BertPredictionHeadTransform's
-#   LayerNorm, L478, belongs to the MLM heads, which BertModel does not build.)
-# - Roles: BertEmbeddings.forward L102-107 sums word + token-type + position embeddings and
-#   normalizes them -> `other` (1). BertSelfOutput.forward L293
-#   `hidden_states = self.LayerNorm(hidden_states + input_tensor)` and BertOutput.forward L352
-#   (same line) normalize the residual sum, and that output is the stream -> `post` (8).
-# - Residual adds: the `hidden_states + input_tensor` at L293 (input_tensor is the attention
-#   block's input, passed at L323 `self.output(attention_output, hidden_states)`) and at L352
-#   (input_tensor = attention_output, passed at L418) -> 2 per layer = 8, performed by
-#   `encoder.layer.N.attention.output` and `encoder.layer.N.output`, ordinal 0 each. The
-#   embedding adds (L102, L105) are position/type embedding adds, not residual.
-# - branch_out: BertSelfOutput.dense (L291) and BertOutput.dense (L350), both the last Linear
-#   before the add.
-# - Stack: BertEncoder L426 `self.layer = nn.ModuleList([BertLayer ...])` -> 4, post-ln.
-# - Attention: BertSelfAttention (L140) calls attention_interface (L194) -> 4.
-# - Head: BertModel has no logits layer; BertPooler.dense (L458) produces `pooler_output`
-#   (tanh of the first token), not logits -> None.
-def build_bert() -> tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]:
-    from transformers import BertConfig, BertModel
-
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    model = BertModel(config)
-    ids = _token_ids()
-    mask = torch.ones_like(ids)
-    mask[1, -4:] = 0
-    exp = Expected(
-        norms={"layernorm": 9},
-        roles={"post": 8, "other": 1},
-        stacks={"encoder.layer": (4, "post-ln")},
-        adds_per_stack={"encoder.layer": 8},
-        residual_adds=8,
-        branch_out={
-            "encoder.layer.0.attention.output#0": "encoder.layer.0.attention.output.dense",
-            "encoder.layer.0.output#0": "encoder.layer.0.output.dense",
-            "encoder.layer.3.output#0": "encoder.layer.3.output.dense",
-        },
-        attention=4,
-        head=None,
-    )
-    return model, (ids,), {"attention_mask": mask, "use_cache": False}, exp
-
-
-# T5 (transformers/models/t5/modeling_t5.py), T5Model with 2 encoder + 2 decoder blocks:
-# - Norms: T5LayerNorm (L51) computes `variance = hidden_states.to(float32).pow(2).mean(-1)`
-#   (L66, no mean subtraction, no bias) -> rmsnorm. One `layer_norm` in each
-#   T5LayerSelfAttention (L383), T5LayerCrossAttention (L413) and T5LayerFF (L135); T5Block
-#   (L443-450) holds [SelfAttention, FF] in the encoder and [SelfAttention, CrossAttention, FF]
-#   in the decoder -> 2*2 + 2*3 = 10; each T5Stack has `final_layer_norm` (L654) -> 2.
-#   Total 12 rmsnorm.
-# - Roles: each sub-layer does `normed = self.layer_norm(hidden_states)` -> sublayer ->
-#   `hidden_states + self.dropout(...)` (L395-403, L426-435, L139-141) -> 10 pre. L745
-#   `hidden_states = self.final_layer_norm(hidden_states)` after the block loop (L728) -> final (2).
-# - Residual adds: L403 `attention_output = hidden_states + self.dropout(attention_output)`,
-#   L435 `layer_output = hidden_states + self.dropout(attention_output)`, L141
-#   `hidden_states = hidden_states + self.dropout(forwarded_states)` -> encoder 2 per block,
-#   decoder 3 per block -> 4 + 6 = 10, performed by `{encoder,decoder}.block.N.layer.M`, ordinal
-#   0 each. The position-bias and mask adds (L163, L166, or inside sdpa's mask) don't count.
-# - branch_out: T5Attention.forward L369 `attn_output = self.o(attn_output)` (SelfAttention.o,
-#   EncDecAttention.o); T5DenseActDense.forward L94 `hidden_states = self.wo(hidden_states)`.
-# - Stacks: T5Stack L651 `self.block = nn.ModuleList([T5Block ...])` -> encoder.block (2) and
-#   decoder.block (2), both pre-ln. `block.N.layer` is a ModuleList of DIFFERENT classes
-#   (T5LayerSelfAttention, [T5LayerCrossAttention,] T5LayerFF) -> not a stack. So adds belong to
-#   encoder.block (4) and decoder.block (6).
-# - Attention: T5Attention (L177) calls attention_interface (L356): encoder 2 self, decoder 2 self
-#   + 2 cross -> 6.
-# - Head: T5Model has no lm_head (only T5ForConditionalGeneration does, L926) -> None.
-def build_t5() -> tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]:
-    from transformers import T5Config, T5Model
-
-    kwargs: dict[str, Any] = {
-        "vocab_size": VOCAB,
-        "d_model": 64,
-        "d_kv": 16,
-        "d_ff": 128,
-        "num_layers": 2,
-        "num_decoder_layers": 2,
-        "num_heads": 4,
-        "relative_attention_num_buckets": 8,
-        "relative_attention_max_distance": 16,
-        "decoder_start_token_id": 0,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-    }
-    config = T5Config(**kwargs)
-    model = T5Model(config)
-    ids = _token_ids()
-    dec = _token_ids()
-    exp = Expected(
-        norms={"rmsnorm": 12},
-        roles={"pre": 10, "final": 2},
-        stacks={"encoder.block": (2, "pre-ln"), "decoder.block": (2, "pre-ln")},
-        adds_per_stack={"encoder.block": 4, "decoder.block": 6},
-        residual_adds=10,
-        branch_out={
-            "encoder.block.0.layer.0#0": "encoder.block.0.layer.0.SelfAttention.o",
-            "encoder.block.0.layer.1#0": "encoder.block.0.layer.1.DenseReluDense.wo",
-            "decoder.block.0.layer.0#0": "decoder.block.0.layer.0.SelfAttention.o",
-            "decoder.block.0.layer.1#0": "decoder.block.0.layer.1.EncDecAttention.o",
-            "decoder.block.1.layer.2#0": "decoder.block.1.layer.2.DenseReluDense.wo",
-        },
-        attention=6,
-        head=None,
-    )
-    return model, (ids,), {"decoder_input_ids": dec, "use_cache": False}, exp
-
-
-def _gemma_common() -> dict[str, Any]:
-    return {
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 64,
-        "sliding_window": 8,
-        "query_pre_attn_scalar": 16,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-
-
-# Gemma 2 (transformers/models/gemma2/modeling_gemma2.py), 4 layers:
-# - Norms: Gemma2RMSNorm (L49) `x * rsqrt(x.pow(2).mean(-1) + eps)` then L62
-#   `output * (1.0 + self.weight.float())` -> rmsnorm with a 1+w gain. Gemma2DecoderLayer L291,
-#   L292, L294, L295: input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
-#   post_feedforward_layernorm -> 4 per layer = 16; Gemma2Model L385 `self.norm` -> 1. Total 17.
-# - Roles: forward: `residual = x; x = input_layernorm(x); x = self_attn(x);
-#   x = post_attention_layernorm(x)` (L320) `; x = residual + x` (L321), then
-#   `residual = x; x = pre_feedforward_layernorm(x); x = mlp(x); x = post_feedforward_layernorm(x)`
-#   (L326) `; x = residual + x` (L327). input/pre_feedforward -> pre (8);
-#   post_attention/post_feedforward normalize the branch output right before the add on a branch
-#   that also has a pre norm -> sandwich-post (8); L450 `self.norm` after the loop -> final (1).
-# - Residual adds: L321, L327 -> 2 per layer = 8, by `model.layers.N`, ordinals 0 and 1.
-#   Gemma2TextScaledWordEmbedding multiplies by sqrt(hidden) (not an add); logit soft-capping in
-#   Gemma2ForCausalLM divides/tanh/multiplies (no add).
-# - branch_out: Gemma2Attention.forward L280 `self.o_proj`, Gemma2MLP.forward L81 `self.down_proj`
-#   (the sandwich-post norm sits between branch_out and the add).
-# - Stack: Gemma2Model L382 `self.layers = nn.ModuleList(...)` -> 4, sandwich.
-# - Attention: Gemma2Attention (L211) calls attention_interface (L266); L353 `_supports_sdpa =
-#   False`, so it resolves to eager_attention_forward (softmax L203) -> 4.
-# - Head: Gemma2ForCausalLM L469 `self.lm_head`.
-def build_gemma2() -> tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]:
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    model = Gemma2ForCausalLM(Gemma2Config(**_gemma_common()))
-    exp = Expected(
-        norms={"rmsnorm": 17},
-        roles={"pre": 8, "sandwich-post": 8, "final": 1},
-        stacks={"model.layers": (4, "sandwich")},
-        adds_per_stack={"model.layers": 8},
-        residual_adds=8,
-        branch_out={
-            "model.layers.0#0": "model.layers.0.self_attn.o_proj",
-            "model.layers.0#1": "model.layers.0.mlp.down_proj",
-            "model.layers.3#1": "model.layers.3.mlp.down_proj",
-        },
-        attention=4,
-        head="lm_head",
-    )
-    return model, (_token_ids(),), {"use_cache": False}, exp
-
-
-# Gemma 3 text (transformers/models/gemma3/modeling_gemma3.py), Gemma3ForCausalLM, 4 layers:
-# - Norms: Gemma3RMSNorm (L119), gain `output * (1.0 + self.weight.float())` (L132) -> rmsnorm.
-#   Gemma3DecoderLayer L367-370: input_layernorm, post_attention_layernorm,
-#   pre_feedforward_layernorm, post_feedforward_layernorm (4 per layer = 16); Gemma3Attention
-#   L310-311 `self.q_norm`, `self.k_norm` = Gemma3RMSNorm(head_dim) (2 per layer = 8);
-#   Gemma3TextModel L473 `self.norm` (1). Total 25 rmsnorm.
-# - Roles: the decoder layer is Gemma 2's sandwich (L384-401) -> pre 8, sandwich-post 8;
-#   L329-330 `query_states = self.q_norm(query_states); key_states = self.k_norm(key_states)`
-#   inside the attention module -> qk 8; L546 `self.norm` after the loop -> final 1.
-# - Residual adds: L395 and L401 `hidden_states = residual + hidden_states` -> 8.
-# - branch_out: Gemma3Attention L355 `self.o_proj`; Gemma3MLP L115 `self.down_proj`.
-# - Stack: Gemma3TextModel L470 `self.layers` (Gemma3ForCausalLM L564 `self.model =
-#   Gemma3TextModel(config)`) -> model.layers, 4, sandwich (with qk-norm).
-# - Attention: Gemma3Attention (L280) calls attention_interface (L342) -> 4.
-# - Head: Gemma3ForCausalLM L566 `self.lm_head`.
-def build_gemma3() -> tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]:
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    model = Gemma3ForCausalLM(Gemma3TextConfig(**_gemma_common()))
-    exp = Expected(
-        norms={"rmsnorm": 25},
-        roles={"pre": 8, "sandwich-post": 8, "qk": 8, "final": 1},
-        stacks={"model.layers": (4, "sandwich")},
-        adds_per_stack={"model.layers": 8},
-        residual_adds=8,
-        branch_out={
-            "model.layers.0#0": "model.layers.0.self_attn.o_proj",
-            "model.layers.0#1": "model.layers.0.mlp.down_proj",
-            "model.layers.1#0": "model.layers.1.self_attn.o_proj",
-        },
-        attention=4,
-        head="lm_head",
-    )
-    return model, (_token_ids(),), {"use_cache": False}, exp
+        Expected(
+            norms={"rmsnorm": 12},
+            roles={"pre": 10, "final": 2},
+            stacks={"encoder.block": (2, "pre-ln"), "decoder.block": (2, "pre-ln")},
+            adds_per_stack={"encoder.block": 4, "decoder.block": 6},
+            residual_adds=10,
+            branch_out={
+                "encoder.block.0.layer.0#0": "encoder.block.0.layer.0.SelfAttention.o",
+                "encoder.block.0.layer.1#0": "encoder.block.0.layer.1.DenseReluDense.wo",
+                "decoder.block.0.layer.0#0": "decoder.block.0.layer.0.SelfAttention.o",
+                "decoder.block.0.layer.1#0": "decoder.block.0.layer.1.EncDecAttention.o",
+                "decoder.block.1.layer.2#0": "decoder.block.1.layer.2.DenseReluDense.wo",
+            },
+            attention=6,
+            head=None,
+        ),
+        inputs=_t5_inputs,
+    ),
+    # Gemma 2 (transformers/models/gemma2/modeling_gemma2.py), 4 layers:
+    # - Norms: Gemma2RMSNorm (L49) `x * rsqrt(x.pow(2).mean(-1) + eps)` then L62
+    #   `output * (1.0 + self.weight.float())` -> rmsnorm with a 1+w gain. Gemma2DecoderLayer L291,
+    #   L292, L294, L295: input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+    #   post_feedforward_layernorm -> 4 per layer = 16; Gemma2Model L385 `self.norm` -> 1. Total 17.
+    # - Roles: forward: `residual = x; x = input_layernorm(x); x = self_attn(x); x =
+    #   post_attention_layernorm(x)` (L320) `; x = residual + x` (L321), then `residual = x; x =
+    #   pre_feedforward_layernorm(x); x = mlp(x); x = post_feedforward_layernorm(x)` (L326) `; x =
+    #   residual + x` (L327). input/pre_feedforward -> pre (8); post_attention/post_feedforward
+    #   normalize the branch output right before the add on a branch that also has a pre norm ->
+    #   sandwich-post (8); L450 `self.norm` after the loop -> final (1).
+    # - Residual adds: L321, L327 -> 2 per layer = 8, by `model.layers.N`, ordinals 0 and 1.
+    #   Gemma2TextScaledWordEmbedding multiplies by sqrt(hidden) (not an add); logit soft-capping in
+    #   Gemma2ForCausalLM divides/tanh/multiplies (no add).
+    # - branch_out: Gemma2Attention.forward L280 `self.o_proj`, Gemma2MLP.forward L81
+    #   `self.down_proj` (the sandwich-post norm sits between branch_out and the add).
+    # - Stack: Gemma2Model L382 `self.layers = nn.ModuleList(...)` -> 4, sandwich.
+    # - Attention: Gemma2Attention (L211) calls attention_interface (L266); L353 `_supports_sdpa =
+    #   False`, so it resolves to eager_attention_forward (softmax L203) -> 4.
+    # - Head: Gemma2ForCausalLM L469 `self.lm_head`.
+    "gemma2": HFCase(
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        _GEMMA,
+        Expected(
+            norms={"rmsnorm": 17},
+            roles={"pre": 8, "sandwich-post": 8, "final": 1},
+            stacks={"model.layers": (4, "sandwich")},
+            adds_per_stack={"model.layers": 8},
+            residual_adds=8,
+            branch_out={
+                "model.layers.0#0": "model.layers.0.self_attn.o_proj",
+                "model.layers.0#1": "model.layers.0.mlp.down_proj",
+                "model.layers.3#1": "model.layers.3.mlp.down_proj",
+            },
+            attention=4,
+            head="lm_head",
+        ),
+    ),
+    # Gemma 3 text (transformers/models/gemma3/modeling_gemma3.py), Gemma3ForCausalLM, 4 layers:
+    # - Norms: Gemma3RMSNorm (L119), gain `output * (1.0 + self.weight.float())` (L132) -> rmsnorm.
+    #   Gemma3DecoderLayer L367-370: input_layernorm, post_attention_layernorm,
+    #   pre_feedforward_layernorm, post_feedforward_layernorm (4 per layer = 16); Gemma3Attention
+    #   L310-311 `self.q_norm`, `self.k_norm` = Gemma3RMSNorm(head_dim) (2 per layer = 8);
+    #   Gemma3TextModel L473 `self.norm` (1). Total 25 rmsnorm.
+    # - Roles: the decoder layer is Gemma 2's sandwich (L384-401) -> pre 8, sandwich-post 8;
+    #   L329-330 `query_states = self.q_norm(query_states); key_states = self.k_norm(key_states)`
+    #   inside the attention module -> qk 8; L546 `self.norm` after the loop -> final 1.
+    # - Residual adds: L395 and L401 `hidden_states = residual + hidden_states` -> 8.
+    # - branch_out: Gemma3Attention L355 `self.o_proj`; Gemma3MLP L115 `self.down_proj`.
+    # - Stack: Gemma3TextModel L470 `self.layers` (Gemma3ForCausalLM L564 `self.model =
+    #   Gemma3TextModel(config)`) -> model.layers, 4, sandwich (with qk-norm).
+    # - Attention: Gemma3Attention (L280) calls attention_interface (L342) -> 4.
+    # - Head: Gemma3ForCausalLM L566 `self.lm_head`.
+    "gemma3": HFCase(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        _GEMMA,
+        Expected(
+            norms={"rmsnorm": 25},
+            roles={"pre": 8, "sandwich-post": 8, "qk": 8, "final": 1},
+            stacks={"model.layers": (4, "sandwich")},
+            adds_per_stack={"model.layers": 8},
+            residual_adds=8,
+            branch_out={
+                "model.layers.0#0": "model.layers.0.self_attn.o_proj",
+                "model.layers.0#1": "model.layers.0.mlp.down_proj",
+                "model.layers.1#0": "model.layers.1.self_attn.o_proj",
+            },
+            attention=4,
+            head="lm_head",
+        ),
+    ),
+}
 
 
 # timm resnet18 (timm/models/resnet.py), num_classes=10, input 2x3x32x32:
@@ -971,16 +1010,10 @@ def deepnet_alpha(n_layers: int = 4) -> float:
     return math.pow(2 * n_layers, 0.25)
 
 
-_Builder = Callable[[], tuple[nn.Module, tuple[object, ...], dict[str, object], Expected]]
+_Builder = Callable[[], Built]
 
 _BUILDERS: dict[str, _Builder] = {
-    "gpt2": build_gpt2,
-    "gpt2_eager": build_gpt2_eager,
-    "llama": build_llama,
-    "bert": build_bert,
-    "t5": build_t5,
-    "gemma2": build_gemma2,
-    "gemma3": build_gemma3,
+    **{name: functools.partial(build_hf, case) for name, case in _HF_CASES.items()},
     "resnet18": build_resnet18,
     "vit": build_vit,
     "convnext_atto": build_convnext_atto,
