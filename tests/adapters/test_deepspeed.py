@@ -65,6 +65,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Ranks:
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed
 def test_the_stages_are_zero_optimizers(ranks: Ranks) -> None:
@@ -134,6 +135,7 @@ def test_without_the_zero_optimizer_the_parameter_families_are_refused(
     assert ranks[1][stage]["unpaired"] == [["resid_rms"], []]  # rank 0 says it
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed
 def test_hf_trainer_with_a_zero_3_config_logs_gradients_before_clipping(tmp_path: Path) -> None:

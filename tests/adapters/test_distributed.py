@@ -37,6 +37,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, d
     return out, ranks
 
 
+@pytest.mark.slow
 def test_gradient_norms_are_the_synchronized_ones(ddp_run: tuple[Path, dict]) -> None:  # type: ignore[type-arg]
     out, ranks = ddp_run
     events = read_events(str(out / "ddp" / "version_0"))

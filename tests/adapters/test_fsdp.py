@@ -73,6 +73,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)

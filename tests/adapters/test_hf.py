@@ -55,6 +55,7 @@ def _run_dirs(out: Path) -> list[Path]:
     return sorted({p.parent for p in out.rglob("events.out.tfevents.*")})
 
 
+@pytest.mark.slow
 def test_logs_on_the_trainers_steps_into_its_own_run(tmp_path: Path) -> None:
     model, data = _gpt2()
     callback = NormProbeCallback()
@@ -81,6 +82,7 @@ def test_logs_on_the_trainers_steps_into_its_own_run(tmp_path: Path) -> None:
     assert normprobe.attached_probe(model) is None
 
 
+@pytest.mark.slow
 def test_every_overrides_the_logging_steps(tmp_path: Path) -> None:
     model, data = _gpt2()
     args = _args(tmp_path, max_steps=6, logging_steps=2)
@@ -105,6 +107,7 @@ class _Wrapped(nn.Module):
         return {"loss": self.stack(x).pow(2).mean()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("pre_ln", "expected"), [(True, 0.40), (False, 2.35)])
 def test_the_stack_gradient_ratio_through_the_trainer(
     tmp_path: Path, pre_ln: bool, expected: float
@@ -127,6 +130,7 @@ def test_the_stack_gradient_ratio_through_the_trainer(
     assert ratio == pytest.approx(expected, abs=0.005)
 
 
+@pytest.mark.slow
 def test_without_a_tensorboard_reporter_it_warns_and_writes_beside_the_output(
     tmp_path: Path,
 ) -> None:
@@ -166,6 +170,7 @@ def test_attach_unwraps_an_accelerate_optimizer() -> None:
         normprobe.attach(nn.Linear(2, 2), 3)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed
 def test_ddp_through_accelerate_launch(tmp_path: Path) -> None:

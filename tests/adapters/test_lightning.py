@@ -22,6 +22,7 @@ import normprobe
 from normprobe import tags
 
 
+@pytest.mark.slow
 def test_writes_into_the_trainers_run_on_its_steps(tmp_path: Path) -> None:
     t = trainer(tmp_path)
     module = LM()
@@ -57,6 +58,7 @@ class GradSpy(Callback):
         )
 
 
+@pytest.mark.slow
 def test_gradients_once_per_optimizer_step_before_clipping(tmp_path: Path) -> None:
     spy = GradSpy()
     t = trainer(
@@ -76,6 +78,7 @@ def test_gradients_once_per_optimizer_step_before_clipping(tmp_path: Path) -> No
         assert min(v for _, v in series) > 1e-3  # read before clipping to 1e-3
 
 
+@pytest.mark.slow
 def test_other_loggers_get_scalars_and_a_tensorboard_folder(tmp_path: Path) -> None:
     logger = CSVLogger(str(tmp_path), name="csv")
     t = trainer(tmp_path, logger=logger)
@@ -88,6 +91,7 @@ def test_other_loggers_get_scalars_and_a_tensorboard_folder(tmp_path: Path) -> N
     assert tags.format("resid_rms", "model.blocks") in events.profiles and len(events.layouts) == 1
 
 
+@pytest.mark.slow
 def test_without_a_logger_a_default_directory_is_used(tmp_path: Path) -> None:
     t = trainer(tmp_path, logger=False, default_root_dir=str(tmp_path))
     with pytest.warns(UserWarning, match="no logger; writing TensorBoard files to"):
@@ -102,6 +106,7 @@ def test_added_twice_is_an_error(tmp_path: Path) -> None:
         t.fit(LM(), tokens())
 
 
+@pytest.mark.slow
 def test_crash_mid_epoch_flushes_and_removes_hooks(tmp_path: Path) -> None:
     module = LM(fail_at=4)
     t = trainer(tmp_path, callbacks=[normprobe.NormProbe(every=1)])
@@ -116,6 +121,7 @@ def test_crash_mid_epoch_flushes_and_removes_hooks(tmp_path: Path) -> None:
     assert hook_count(module) == 0
 
 
+@pytest.mark.slow
 def test_resume_continues_the_steps_without_a_second_layout(tmp_path: Path) -> None:
     logger = TensorBoardLogger(str(tmp_path), name="run", version="v0")
     checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)

@@ -165,6 +165,7 @@ def test_accelerate_clip_grad_norm() -> None:
     check_clipped(sink.records, hand, totals, 3)
 
 
+@pytest.mark.slow
 def test_hf_trainer_total_is_its_own_grad_norm(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments

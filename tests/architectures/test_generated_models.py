@@ -57,6 +57,8 @@ from torch import nn
 import normprobe
 from normprobe import ModelMap
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 16
 TOKENS = 4
 N_OUT = 4

@@ -69,7 +69,7 @@ REINIT_REFUSALS: dict[str, str] = {"vitpt_maxvit": "nested-stacks"}
 GPT2_STD = 0.02
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def _params(check: str, names: list[str] = NAMES) -> list[Any]:

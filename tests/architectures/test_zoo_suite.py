@@ -37,6 +37,8 @@ from normprobe import ModelMap
 from normprobe.init import SCHEMES
 from normprobe.surgery import TARGETS
 
+pytestmark = pytest.mark.slow
+
 # Models whose norms normalize the last dim of each token (channels-last).
 _CHANNELS_LAST = (
     "gpt2",

@@ -16,6 +16,7 @@ import calibration_set as cal
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", cal.HEALTHY, ids=lambda c: c.name)
 def test_healthy_run_raises_no_problem(case, tmp_path, one_thread) -> None:
     outcome = cal.run_case(case, cal.SMALL, tmp_path)
@@ -23,6 +24,7 @@ def test_healthy_run_raises_no_problem(case, tmp_path, one_thread) -> None:
     assert not raised, "\n".join(raised)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", cal.BROKEN, ids=lambda c: c.name)
 def test_broken_run_is_caught_where_the_fault_is(case, tmp_path, one_thread) -> None:
     outcome = cal.run_case(case, cal.SMALL, tmp_path)

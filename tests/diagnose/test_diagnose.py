@@ -98,6 +98,7 @@ def tokens(batch: int = 2, length: int = 32) -> torch.Tensor:
 # --- findings -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pre_ln_without_a_final_norm() -> None:
     # ResidualStack has no norm between its last Pre-LN block and its head; TinyTransformer has
     # ln_f there, and its Post-LN variant ends on a norm by construction
@@ -152,6 +153,7 @@ def test_post_ln_without_a_head_needs_a_loss() -> None:
     assert measured.measurements[tags.format("grad_ratio", "lins")] < 2.0
 
 
+@pytest.mark.slow
 def test_residual_growth() -> None:
     # Pre-LN, torch's default init: each branch adds var(W)·64 = 1/3 (kaiming_uniform(a=√5)
     # gives var 1/(3·64)) to a unit-variance stream, so after l blocks var ≈ 1 + l/3: growth over
@@ -244,6 +246,7 @@ def test_relu_net_initialized_for_tanh() -> None:
     assert diagnose(relu_mlp(1.0, depth=2), x).checks["relu-init"].startswith("n/a")
 
 
+@pytest.mark.slow
 def test_gpt_without_residual_projection_scaling() -> None:
     # TinyTransformer's init: N(0, 0.02) everywhere, the stream-writing projections included
     model, ids = TinyTransformer(width=32, depth=6), tokens()
@@ -261,6 +264,7 @@ def test_gpt_without_residual_projection_scaling() -> None:
 # --- the report, the loss, the model left alone -----------------------------------------------
 
 
+@pytest.mark.slow
 def test_report_lists_findings_with_evidence_and_suggestions() -> None:
     found = diagnose(ResidualStack(48, 64, pre_ln=True), torch.randn(16, 64))
     text = str(found)
@@ -413,6 +417,7 @@ def test_cli_bad_entries(
         assert message in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_cli_runs_as_a_module(entry_module: str, tmp_path: Path) -> None:
     done = subprocess.run(
@@ -433,6 +438,7 @@ def test_cli_help_documents_the_exit_codes(capsys: pytest.CaptureFixture[str]) -
     assert "0 no finding, 1 findings, 2 bad input" in " ".join(capsys.readouterr().out.split())
 
 
+@pytest.mark.slow
 def test_post_ln_without_deepnorm_init_says_it_needs_a_warmup() -> None:
     from normprobe import demo
     from normprobe.corpus import CharCorpus

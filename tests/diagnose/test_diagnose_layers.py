@@ -62,6 +62,7 @@ HEALTHY = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HEALTHY))
 def test_healthy_models_have_no_layer_jump(name: str) -> None:
     # at init same-role layers draw their weights from one distribution: their gains stay within
@@ -164,6 +165,7 @@ def _verdicts_agree(result: Diagnosis) -> None:
             assert code not in passed, code
 
 
+@pytest.mark.slow
 def test_deep_post_ln_checks_agree() -> None:
     # 24 Post-LN blocks fed embeddings of RMS 1 (the first norm then does not amplify block 0's
     # gradient): the top block gets 4.2x the first one's gradient

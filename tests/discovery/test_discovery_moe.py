@@ -371,6 +371,7 @@ def _tolerance(numel: int) -> float:
     return max(0.05, 4 / math.sqrt(2 * numel))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_gpt2_reinit_scales_every_expert_and_leaves_routers(name: str) -> None:
     case = CASES[name]

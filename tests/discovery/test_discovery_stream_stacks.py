@@ -386,6 +386,7 @@ def test_torchvision_maxvit_stacks_its_layers_not_their_sublayers() -> None:
                 assert stds[w] == pytest.approx(GPT2_STD / math.sqrt(2 * 2), rel=0.05), w
 
 
+@pytest.mark.slow
 def test_torchvision_maxvit_t() -> None:
     from torchvision.models import maxvit_t  # type: ignore[import-untyped]
 
@@ -399,6 +400,7 @@ def test_torchvision_maxvit_t() -> None:
     assert not m.doubts
 
 
+@pytest.mark.slow
 def test_timm_maxvit_stacks_its_blocks_not_window_and_grid_attention() -> None:
     # timm/models/maxxvit.py: MaxxVitBlock holds conv (MbConvBlock), attn_block and attn_grid
     # (PartitionAttentionCl, attention and MLP adds each) as attributes

@@ -105,6 +105,7 @@ def test_a_block_skipped_in_training_keeps_its_place() -> None:
     assert model.training and all(b.training for b in model.blocks)  # the mode is restored
 
 
+@pytest.mark.slow
 def test_layerdrop_in_wav2vec2_loses_no_block() -> None:
     from transformers import Wav2Vec2ForCTC
 
@@ -323,6 +324,7 @@ def test_an_add_belongs_to_the_block_performing_it_not_to_a_stack_in_its_branch(
     assert len(m.adds_in("stages.2.blocks")) == 1
 
 
+@pytest.mark.slow
 def test_a_projection_shortcut_pooled_after_its_layer_is_a_residual_add() -> None:
     # Hiera's stage-changing blocks project the normed input and take the max over the pooled
     # positions (in the block's own forward) as the skip of the attention branch
@@ -336,6 +338,7 @@ def test_a_projection_shortcut_pooled_after_its_layer_is_a_residual_add() -> Non
     assert [(s.path, s.placement) for s in m.stacks] == [("blocks", "pre-ln")]
 
 
+@pytest.mark.slow
 def test_a_term_added_to_attention_from_its_own_values_is_no_residual_add() -> None:
     # EfficientFormerV2's attention returns attn @ v + v_local(v): both sides read v, which
     # the attention computed with a convolution; it is no stream and v_local no shortcut
@@ -347,6 +350,7 @@ def test_a_term_added_to_attention_from_its_own_values_is_no_residual_add() -> N
     assert not [a.module for a in m.residual_adds if a.module.endswith(".attn")]
 
 
+@pytest.mark.slow
 def test_stacks_without_residual_adds_are_no_residual_whatever_norms_they_hold() -> None:
     # ShuffleNetV2's stages split the channels and concatenate, GoogLeNet's inception branches
     # are two convolutions with BatchNorm in a row, and wav2vec2's feature extractor chains
@@ -430,6 +434,7 @@ def test_edgenext_third_stage_is_one_stack_of_six_blocks() -> None:
     assert "stages.2.blocks[0..4]" not in found
 
 
+@pytest.mark.slow
 def test_dpn_adds_its_branch_to_a_slice_of_the_stream_in_every_block() -> None:
     # timm's DualPathBlock: the stream is [residual channels | dense channels]; each block adds
     # its branch, which reads the whole stream, to the residual channels (x[:, :c] + out[:, :c])

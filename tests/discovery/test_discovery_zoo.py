@@ -15,6 +15,7 @@ from hooks import hook_count
 import normprobe
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", zoo.NAMES)
 def test_discovery_matches_the_source(name: str) -> None:
     z = zoo.build(name)
@@ -45,6 +46,7 @@ def test_discovery_matches_the_source(name: str) -> None:
     assert str(m).startswith(f"ModelMap of {type(z.model).__name__}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5", "gemma2", "control_flow"])
 def test_fx_symbolic_trace_fails_where_discovery_works(name: str) -> None:
     # The runtime trace exists because symbolic tracing cannot follow these forwards.

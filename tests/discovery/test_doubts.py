@@ -371,6 +371,7 @@ def test_attach_warns_once_that_per_block_metrics_may_miss_blocks(tmp_path: Path
     assert sum("unsure" in str(w.message) for w in got) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama", "resnet18", "vit", "t5", "convnext_atto"])
 def test_healthy_zoo_models_have_no_doubt(name: str) -> None:
     z = zoo.build(name)

@@ -109,6 +109,7 @@ def test_llama_heads_equal_the_materialized_logits_eager_and_sdpa(tmp_path: Path
         assert eager == pytest.approx(sdpa, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "llama"])
 def test_sampled_query_rows_read_a_lower_bound_within_its_stated_error(
     tmp_path: Path, name: str

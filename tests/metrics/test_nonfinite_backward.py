@@ -201,6 +201,7 @@ def test_report_flags_the_module(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "[nan onset]" not in printed  # no probe.step() moved the weights: forwards are finite
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("error::RuntimeWarning")
 def test_torchvision_resnet_with_inplace_relu_trains_unchanged() -> None:
     from torchvision.models import resnet18

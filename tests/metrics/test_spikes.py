@@ -69,6 +69,7 @@ def logged_steps(log_dir: Path) -> list[int]:
     ]
 
 
+@pytest.mark.slow
 def test_a_loss_spike_is_found_at_its_step_and_the_next_steps_are_logged(
     tmp_path: Path, one_thread: None
 ) -> None:
@@ -90,6 +91,7 @@ def test_a_loss_spike_is_found_at_its_step_and_the_next_steps_are_logged(
     assert "model.blocks/" in flags[0].message
 
 
+@pytest.mark.slow
 def test_without_a_spike_only_the_schedule_is_logged(tmp_path: Path, one_thread: None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
@@ -99,6 +101,7 @@ def test_without_a_spike_only_the_schedule_is_logged(tmp_path: Path, one_thread:
     assert not [t for t in [*events.scalars, *events.texts] if t.startswith("normprobe/spike/")]
 
 
+@pytest.mark.slow
 def test_a_rise_below_sigma_is_no_spike(tmp_path: Path, one_thread: None) -> None:
     # the same spike, under a threshold far above it
     with warnings.catch_warnings():
@@ -162,6 +165,7 @@ class LateCopy:
         self.asked = 2
 
 
+@pytest.mark.slow
 def test_a_verdict_still_on_its_way_is_read_on_a_later_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
 ) -> None:
@@ -267,6 +271,7 @@ class SpikyLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+@pytest.mark.slow
 def test_the_lightning_callback_sees_a_loss_spike(tmp_path: Path, one_thread: None) -> None:
     torch.manual_seed(0)
     data = DataLoader(torch.randint(0, 96, (40 * 4, 16)), batch_size=4)  # type: ignore[arg-type]
@@ -289,6 +294,7 @@ def test_the_lightning_callback_sees_a_loss_spike(tmp_path: Path, one_thread: No
     assert [s for s, _ in grad_ratio] == [0, 19, 31, 32, 33, 39]
 
 
+@pytest.mark.slow
 def test_the_hugging_face_callback_reads_the_loss_from_the_models_output(
     tmp_path: Path, one_thread: None
 ) -> None:
@@ -460,6 +466,7 @@ def test_the_sampled_gradient_norms_are_within_the_stated_bound(one_thread: None
         opt.step()
 
 
+@pytest.mark.slow
 def test_a_broad_gradient_spike_is_caught_by_a_sampled_detector(
     tmp_path: Path, one_thread: None
 ) -> None:

@@ -21,6 +21,7 @@ def test_there_is_a_script_per_claim() -> None:
     assert len(SCRIPTS) == 8, [p.name for p in SCRIPTS]
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
 def test_claim_script_quick(script: Path, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import normprobe
 from normprobe import demo, tags
 
 
+@pytest.mark.slow
 def test_demo_trains_four_runs_and_prints_the_comparison(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -37,6 +38,7 @@ def test_demo_trains_four_runs_and_prints_the_comparison(
     assert all(float(v) == float(v) for row in table for v in row[1:])  # measured, not NaN
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("argv", "threads"), [([], 1), (["--threads", "2"], 2)])
 def test_the_demo_trains_on_one_thread_unless_told(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], threads: int
@@ -75,6 +77,7 @@ def _operations(name: str, probed: bool) -> int:
     return sum(e.count for e in prof.key_averages())
 
 
+@pytest.mark.slow
 def test_no_demo_run_does_much_more_work_per_step(one_thread: None) -> None:
     # a run 10x slower than the others on CPU: counted in operations, not seconds. The
     # probe adds the same work to every model's unlogged step (its spike detector), none for

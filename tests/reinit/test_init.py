@@ -310,6 +310,7 @@ def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 100)
     return losses
 
 
+@pytest.mark.slow
 def test_fixup_trains_a_norm_free_resnet_that_blows_up_without_it(tmp_path: Path) -> None:
     # ResNet-34's layout (16 BasicBlocks) at a quarter of its width, BatchNorm removed.
     x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
@@ -489,6 +490,7 @@ def test_skipinit_goes_after_the_batchnorm_that_ends_a_resnet_branch() -> None:
     assert torch.equal(stream[1], stream[0].relu())
 
 
+@pytest.mark.slow
 def test_layerscale_is_per_channel_with_cait_depth_rule() -> None:
     z = zoo.build("vit")  # 4 blocks
     insert_branch_scale(z.model, "layerscale", example_inputs=z.args)
@@ -507,6 +509,7 @@ def test_layerscale_is_per_channel_with_cait_depth_rule() -> None:
     assert conv.model(*conv.args).shape == (2, 10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "gemma2", "resnet18"])
 def test_remove_branch_scale_folds_the_scale_and_keeps_the_function(name: str) -> None:
     z = zoo.build(name)
@@ -699,6 +702,7 @@ def test_fixup_refusing_a_late_branch_leaves_the_earlier_ones_as_they_were() -> 
     assert all(torch.equal(after[k], before[k]) for k in before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("call", ["fixup", "rezero"])
 def test_wrapping_a_layer_with_a_scale_attribute_of_its_own(call: str) -> None:
     # timm's ScaledStdConv2d (NF-ResNet) keeps a float `scale`; the wrappers' own `scale`

@@ -164,6 +164,7 @@ def test_fixup_adds_the_papers_scalars_to_resnet20() -> None:
     assert all(s.item() == 0.0 for n, s in scalars.items() if "bias" in n)
 
 
+@pytest.mark.slow
 def test_fixup_again_resets_the_scalars_it_added() -> None:
     model, x = _fixup_resnet20()
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
@@ -179,6 +180,7 @@ def test_fixup_again_resets_the_scalars_it_added() -> None:
     ] * 3
 
 
+@pytest.mark.slow
 def test_fixup_resnet20_computes_what_the_reference_computes() -> None:
     model, x = _fixup_resnet20()
     reference = ResNet20(ReferenceBlock, fixup=True)
@@ -203,6 +205,7 @@ def test_fixup_resnet20_computes_what_the_reference_computes() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fixup_refuses_a_model_with_batchnorm_and_says_how_to_remove_it() -> None:
     z = zoo.build("resnet18")
     before = {k: v.clone() for k, v in z.model.state_dict().items()}
@@ -374,6 +377,7 @@ def test_deepnorm_constants_of_an_encoder_decoder_by_hand() -> None:
         normprobe.init.deepnorm_encoder_decoder_constants(6, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tgt_len", [5, 9])  # 9: the encoder's output has the stream's shape
 def test_deepnorm_uses_the_encoder_decoder_formulas_on_an_encoder_decoder(tgt_len: int) -> None:
     torch.manual_seed(0)
@@ -427,6 +431,7 @@ def test_deepnorm_on_torchs_post_ln_transformer() -> None:
         assert not attention.in_proj_bias.any()
 
 
+@pytest.mark.slow
 def test_deepnorm_keeps_the_single_stack_formulas_on_one_stack_and_on_stages() -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, 32, (2, 9))
@@ -437,6 +442,7 @@ def test_deepnorm_keeps_the_single_stack_formulas_on_one_stack_and_on_stages() -
     assert _alpha(model.stage2[0], "ffn.fc2") == pytest.approx(4**0.25)
 
 
+@pytest.mark.slow
 def test_deepnorm_refuses_when_it_cannot_tell_the_encoder_decoder_formulas() -> None:
     torch.manual_seed(0)
     model = Seq2Seq(2, 2, decoders=2)

@@ -273,6 +273,7 @@ def test_param_groups_and_coord_check_bad_input() -> None:
         coord_check(MLP, [64, 128], x, steps=0)
 
 
+@pytest.mark.slow
 def test_coord_check_sp_grows_with_width_and_mup_stays_flat(tmp_path: Path) -> None:
     # Adam, lr 3e-3, 3 steps, widths 64..1024. SP: a hidden activation moves by about
     # lr * width per step, so its RMS grows with width; muP divides hidden lr by width/64.

@@ -22,6 +22,7 @@ def _normprobe(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_diagnose_and_report_subcommands(tmp_path: Path) -> None:
     (tmp_path / "entry.py").write_text(
         "import torch\n"

@@ -114,6 +114,7 @@ def test_the_shape_panel_shows_where_in_depth_whatever_the_scale() -> None:
     assert red[0] > red[2] + 50 and blue[2] > blue[0] + 50  # above the mean red, below blue
 
 
+@pytest.mark.slow
 def test_heatmap_odd_input() -> None:
     nan = math.nan
     one = (*plots.heatmap_size(1)[::-1], 3)
@@ -177,6 +178,7 @@ def test_panels_integer_block_ticks_and_log_scale_over_decades() -> None:
     assert axes[0].get_title() == "grad_norm" and axes[0].get_xlabel() == "block"
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_matplotlib_is_optional(monkeypatch: pytest.MonkeyPatch) -> None:
     code = (

@@ -57,6 +57,7 @@ def cli(argv: list[str]) -> int:
 
 
 # --- the table ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_rows_match_the_event_files(lm_run: Path) -> None:
     rep = rp.report(lm_run)
     scalars = read_events(str(lm_run)).scalars
@@ -115,6 +116,7 @@ def test_trend_words() -> None:
 
 
 # --- flags -------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_gradient_skew_flags_follow_check_d(stacks: dict[str, rp.RunReport]) -> None:
     # check [d]'s numbers, read back through the event files
     assert round(stacks["post"].row("lins", "grad_ratio").last, 2) == 2.35
@@ -169,6 +171,7 @@ def test_residual_growth_and_collapse_flags(stacks: dict[str, rp.RunReport]) -> 
     assert not {"residual growth", "representation collapse"} & kinds(post)
 
 
+@pytest.mark.slow
 def test_nan_onset_names_the_first_module(tmp_path: Path, lm_run: Path) -> None:
     def poison(model: nn.Module, step: int) -> None:
         if step == 6:
@@ -201,6 +204,7 @@ class BatchNormNet(nn.Module):
         return self.out(torch.relu(self.bn(self.fc(x))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shift", [0.0, 0.3])
 def test_batchnorm_drift(tmp_path: Path, shift: float) -> None:
     # inputs whose mean moves by `shift` per step: the running statistics lag behind the batches
@@ -229,6 +233,7 @@ def test_batchnorm_drift(tmp_path: Path, shift: float) -> None:
         assert drift.last < bn_stats.LIMITS["mean_drift"] / 5
 
 
+@pytest.mark.slow
 def test_logit_blow_up(tmp_path: Path, lm_run: Path) -> None:
     def grow(model: nn.Module, step: int) -> None:
         assert isinstance(model, TinyTransformer)
@@ -287,6 +292,7 @@ def test_png_of_depth_profiles(tmp_path: Path, lm_run: Path) -> None:
 
 
 # --- the command line and bad input -----------------------------------------------------------
+@pytest.mark.slow
 def test_cli_exit_status_and_output(
     lm_run: Path,
     stacks: dict[str, rp.RunReport],
@@ -308,6 +314,7 @@ def test_cli_exit_status_and_output(
     assert out.index("Problems (") < out.index("[representation collapse]") < out.index("Notes (")
 
 
+@pytest.mark.slow
 def test_lightning_layout_and_several_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -352,6 +359,7 @@ def test_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "was the probe attached" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_folder_written_twice_reads_as_one_run_the_later_file_winning(tmp_path: Path) -> None:
     # a script run twice into one folder: two event files holding the same steps
     ratios = []

@@ -73,6 +73,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 
 # --- the comparison ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_ratio_is_each_runs_value_divided(runs: dict[str, Path]) -> None:
     a, b = normprobe.report_run(runs["lm_pre"]), normprobe.report_run(runs["lm_post"])
     cmp = normprobe.compare_runs(runs["lm_pre"], runs["lm_post"])
@@ -227,6 +228,7 @@ def test_report_json_of_one_run_and_of_a_folder(
     assert top["threshold"] == grad_norm.TOP_LIMIT and top["severity"] == "note"
 
 
+@pytest.mark.slow
 def test_compare_json_and_png(
     runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -261,6 +263,7 @@ def test_compare_json_and_png(
         assert f"depth profiles: {tmp_path / f'd-{name}.png'}" in err
 
 
+@pytest.mark.slow
 def test_non_finite_values_are_null(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     def poison(model: nn.Module, step: int) -> None:
         if step == 2:

@@ -30,6 +30,7 @@ def _graphs() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+@pytest.mark.slow
 def test_compiled_model_keeps_one_graph_and_logs_the_eager_values(tmp_path: Path) -> None:
     torch.manual_seed(0)
     x = torch.randint(0, 96, (2, 16))
@@ -90,6 +91,7 @@ class CountGraphs(Callback):
         self.per_step.append((after[0] - self.before[0], after[1] - self.before[1]))
 
 
+@pytest.mark.slow
 def test_lightning_module_with_a_compiled_model(tmp_path: Path) -> None:
     spy = CountGraphs()
     trainer = L.Trainer(

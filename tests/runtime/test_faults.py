@@ -74,6 +74,7 @@ def no_probe_hooks_on(opt: torch.optim.Optimizer) -> bool:
 KINDS = ["forward", "backward", "optimizer", "interrupt"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("at", [4, 5], ids=["on-a-logged-step", "between-logged-steps"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_fault_leaves_every_logged_step_on_disk_and_no_hook(
@@ -91,6 +92,7 @@ def test_a_fault_leaves_every_logged_step_on_disk_and_no_hook(
     assert not _get_current_function_mode_stack()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["forward", "interrupt"])
 def test_without_a_with_block_the_probe_stays_and_training_can_go_on(
     tmp_path: Path, reference: Events, kind: str
@@ -291,6 +293,7 @@ def only_inert_hooks(model: nn.Module) -> bool:
     return all(isinstance(h, InertHook | CopyInside) for h in hooks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", COPIES)
 def test_a_copy_taken_mid_logged_step_and_after_surgery_runs_without_the_probe(
     tmp_path: Path, how: str
@@ -365,6 +368,7 @@ f.train(model, opt, f.Tripwire(model, "", None))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_process_that_dies_of_an_uncaught_exception_leaves_its_steps_on_disk(
     tmp_path: Path, reference: Events

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from memory import peak_bytes
 
@@ -11,6 +12,7 @@ import normprobe
 from normprobe.models import TinyTransformer
 
 
+@pytest.mark.slow
 def test_peak_memory_grows_less_than_two_percent(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = TinyTransformer(width=256, depth=12, context=128)

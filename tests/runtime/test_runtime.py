@@ -208,6 +208,7 @@ def test_batchnorm_drift_and_train_eval_gap(tmp_path: Path) -> None:
     assert float(bn.running_mean.abs().mean()) > 0.1
 
 
+@pytest.mark.slow
 def test_schedule_event_files_layout_and_depth_view(tmp_path: Path) -> None:
     model = TinyTransformer(depth=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -260,6 +261,7 @@ def test_every_block_gets_a_tag_up_to_the_cap(tmp_path: Path) -> None:
     assert len(record.profiles[tags.format("resid_rms", "lins")]) == 40
 
 
+@pytest.mark.slow
 def test_one_host_transfer_per_logged_step_and_none_otherwise(tmp_path: Path) -> None:
     model = TinyTransformer(depth=2)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -296,6 +298,7 @@ def _tensors_held(probe: normprobe.Probe) -> list[torch.Tensor]:
     return held
 
 
+@pytest.mark.slow
 def test_no_activation_is_kept_on_unlogged_steps(tmp_path: Path) -> None:
     model = TinyTransformer(depth=2)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

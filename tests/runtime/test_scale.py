@@ -41,6 +41,7 @@ def one_logged_step(depth: int, log_dir: Path) -> tuple[normprobe.Probe, Events,
     return probe, read_events(str(log_dir)), size
 
 
+@pytest.mark.slow
 def test_a_1000_block_stack_is_mapped_logged_and_its_event_file_stays_small(
     tmp_path: Path,
 ) -> None:

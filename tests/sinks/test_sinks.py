@@ -148,6 +148,7 @@ def test_the_next_drawing_waits_until_its_cpu_time_is_the_budgets_share(
     sink.close()
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_drawing_under_way_does_not_keep_a_dying_process_or_its_events(
     tmp_path: Path,

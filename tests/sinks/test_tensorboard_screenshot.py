@@ -83,6 +83,7 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return logs
 
 
+@pytest.mark.slow
 def test_custom_scalars_and_depth_view_render(
     serve: Callable[[Path], str], tmp_path: Path, logs: Path
 ) -> None:
@@ -102,6 +103,7 @@ def test_custom_scalars_and_depth_view_render(
     assert _colour_pixels(depth) > 2000  # the heatmaps' colour maps
 
 
+@pytest.mark.slow
 def test_dashboard_url_opens_time_series_on_the_summary(
     serve: Callable[[Path], str], tmp_path: Path, logs: Path
 ) -> None:
@@ -157,6 +159,7 @@ new Promise((resolve) => {
 """
 
 
+@pytest.mark.slow
 def test_images_tab_shows_the_gradient_heatmap_first_and_per_head_last(
     serve: Callable[[Path], str], tmp_path: Path, logs: Path
 ) -> None:

@@ -20,6 +20,7 @@ from normprobe.sinks import heatmap_tag
 pytestmark = pytest.mark.subprocess
 
 
+@pytest.mark.slow
 def test_server_lists_tags_layout_and_depth_heatmaps(
     serve: Callable[[Path], str], tmp_path: Path
 ) -> None:

@@ -190,6 +190,7 @@ def test_bert_layernorm_to_rmsnorm_drops_the_biases_from_model_and_optimizer() -
     _train(model, loss, opt)
 
 
+@pytest.mark.slow
 def test_resnet_batchnorm_to_groupnorm_drops_running_statistics() -> None:
     z = zoo.build("resnet18")
     model, report = convert_norms_with_report(
@@ -227,6 +228,7 @@ def test_vit_layernorm_to_dyt_adds_alpha_to_the_existing_optimizer() -> None:
     assert all(a.item() != 0.5 for a in alphas)  # the optimizer trained them
 
 
+@pytest.mark.slow
 def test_convnext_layernorm2d_to_channels_first_dyt() -> None:
     z = zoo.build("convnext_atto")
     with pytest.warns(ConversionWarning, match="build the optimizer after this call"):
@@ -572,6 +574,7 @@ def test_timm_channels_first_norms_are_recognized_without_example_inputs() -> No
     torch.testing.assert_close(model(x).flatten(), torch.tensor([1.0, -1.0]))
 
 
+@pytest.mark.slow
 def test_wrapped_and_compiled_models_are_refused(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     with pytest.raises(TypeError, match=r"compiled.*convert the model before compiling"):

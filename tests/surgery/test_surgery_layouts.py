@@ -308,6 +308,7 @@ def _glob(path: str) -> str:
     return "".join(f"[{c}]" if c in "[]*?" else c for c in path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ZOO_CASES)
 def test_same_kind_conversion_is_bit_identical_on_every_zoo_model(name: str) -> None:
     model, args, kwargs = _build(name)
