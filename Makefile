@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # both wheels install from the local disk in under a minute. See "Why torch 2.14.1" in the README.
 TORCH := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test lint install clean gpu-check pictures
+.PHONY: demo test test-fast lint install clean gpu-check pictures
 
 # Two stamps: the demo needs the package, Lightning and the plot extra; the tests need the dev
 # tools too. The dev install covers the demo's, so it touches both stamps: `make demo` after
@@ -36,6 +36,11 @@ lint: $(VENV)/.installed
 
 test: lint
 	$(VENV)/bin/pytest
+
+# The loop while editing: no lint, and none of the tests marked slow, subprocess or distributed
+# (pyproject.toml); about a minute on 2 CPU cores. `make test` runs everything.
+test-fast: $(VENV)/.installed
+	$(VENV)/bin/pytest -m "not slow and not subprocess and not distributed"
 
 # The README's TensorBoard pictures, from the demo's runs, rendered by headless Chromium.
 pictures: demo

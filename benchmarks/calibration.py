@@ -10,7 +10,7 @@ must raise no *problem*; each broken run must raise, as a problem, the flag made
 fault, naming where the fault was put. The table prints, per flag, the statistic it thresholds
 on every run, healthy then broken, and the threshold between them (``*`` marks the run
 broken for that flag). The 16 runs take about 12 minutes on 2 CPU cores; ``--out DIR --reuse``
-reprints the table from runs already trained there. ``tests/test_calibration.py`` runs the
+reprints the table from runs already trained there. ``tests/diagnose/test_calibration.py`` runs the
 same set (``benchmarks/calibration_set.py``) at `SMALL` size, in about 40 seconds.
 """
 

@@ -1,6 +1,6 @@
 """The calibration set's runs: 8 healthy trainings and 8 broken one way each, what each
 broken run's flag must name, and how a run is trained and judged. ``benchmarks/calibration.py``
-trains them all and prints the table; ``tests/test_calibration.py`` trains them at `SMALL`.
+trains them all and prints the table; ``tests/diagnose/test_calibration.py`` trains them at `SMALL`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ and gradient clipping at 1 for the transformers, as Hugging Face's Trainer does;
 Nesterov momentum for MobileNetV2), ``normprobe.attach`` watching, and is read back with
 ``normprobe.report_run``. None may raise a problem. The script prints each run's loss, its
 flags and the calibration table's statistics (``benchmarks/calibration.py``);
-``tests/test_calibration_unseen.py`` trains them at `SMALL`.
+``tests/diagnose/test_calibration_unseen.py`` trains them at `SMALL`.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
     python benchmarks/gpu_check.py [--budget 480]
 
-Runs the tests that use CUDA (``tests/test_cuda.py``), ``benchmarks/overhead.py --device cuda``
-in float32 and under bf16 autocast (each with its host-sync count), and
+Runs the tests that use CUDA (``tests/runtime/test_cuda.py``), ``benchmarks/overhead.py
+--device cuda`` in float32 and under bf16 autocast (each with its host-sync count), and
 ``benchmarks/norms.py --device cuda``, within ``--budget`` seconds in all; prints each part's
 output, then one table. Without CUDA it says so and exits 0.
 """
@@ -71,7 +71,7 @@ def main() -> int:
     parts = [
         (
             "CUDA tests",
-            ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+            ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/test_cuda.py"],
             0.25,
         ),
         ("overhead fp32", ["benchmarks/overhead.py", "--device", "cuda", "--rounds", "5"], 0.25),
@@ -90,7 +90,7 @@ def main() -> int:
         failed |= code != 0
         if title == "CUDA tests":
             summary = out.strip().splitlines()[-1] if out.strip() else "no output"
-            table.append(f"| {title} | tests/test_cuda.py | {summary} | {seconds:.0f} s |")
+            table.append(f"| {title} | tests/runtime/test_cuda.py | {summary} | {seconds:.0f} s |")
         elif title.startswith("overhead"):
             table += _overhead_rows(out, title.split()[1]) or [f"| {title} | failed ({code}) | | |"]
         else:

@@ -10,7 +10,7 @@ what one logged step writes (scalar tags, depth histograms, event file bytes).
   spin against other processes and times jump tenfold.
 * memory, two columns, each measured in its own run (never timed):
   ``tensor``: peak bytes of tensor storage created while the phase runs, seen at the
-  dispatcher (tests/memory.py: every storage an op returns, released when its last tensor
+  dispatcher (tests/helpers/memory.py: every storage an op returns, released when its last tensor
   dies): activations, statistics, copies. ``py``: peak of Python's own heap (tracemalloc):
   the map, hooks, slots, records, protobufs. Parameters that exist before the phase are in
   neither.
@@ -38,7 +38,7 @@ from torch import nn
 import normprobe
 from normprobe.models import ResidualStack, TinyTransformer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "helpers"))
 from memory import peak_bytes  # the dispatcher-level counter the tests use
 from tb import read_events
 

@@ -1,21 +1,18 @@
-"""Shared fixtures: fail any test that leaves global hooks or torch function modes behind."""
+"""Shared fixtures: fail any test that leaves global hooks or torch function modes behind; torch
+on one thread; a TensorBoard server. Shared helper modules live in tests/helpers/ (on the path
+through pyproject's ``pythonpath``)."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from torch.nn.modules import module as module_globals
 from torch.overrides import _get_current_function_mode_stack
 
@@ -27,23 +24,30 @@ _GLOBAL_HOOKS = (
 )
 
 
-def hook_count(model: nn.Module) -> int:
-    """Every forward and backward hook registered on any module of ``model``."""
-    total = 0
-    for m in model.modules():
-        total += len(m._forward_pre_hooks) + len(m._forward_hooks)
-        total += len(m._backward_pre_hooks) + len(m._backward_hooks)
-    return total
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """Torch on one thread for the test: tiny models gain nothing from a second one, and OpenMP
     threads that wait for each other on a busy machine made training tests 30x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with _torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def one_thread_module() -> Iterator[None]:
+    """`one_thread` for a whole module (``pytestmark = pytest.mark.usefixtures(...)``), its
+    module-scoped fixtures included: thousands of tiny kernels, where a second thread only spins."""
+    with _torch_threads(1):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -84,15 +88,3 @@ def serve() -> Iterator[Callable[[Path], str]]:
     for proc in procs:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def get_json(url: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                return json.loads(response.read())
-        except (urllib.error.URLError, ConnectionError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)

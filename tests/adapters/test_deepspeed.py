@@ -1,0 +1,203 @@
+"""NormProbe on DeepSpeed ZeRO: two CPU processes over gloo, run by tests/helpers/deepspeed_train.py
+(the plain engine) and tests/helpers/deepspeed_hf_train.py (a Hugging Face Trainer).
+
+Stages 1 to 3 against stage 0 (same weights, same batches), two micro-batches a step and
+``gradient_clipping`` far below the gradients' norm: the logged per-block gradient norms are
+those of the whole gradients before clipping (values clipped would be 10x smaller), and the
+weight statistics those of the whole weights, although each rank holds a part of them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+import normprobe
+from normprobe.models import TinyTransformer
+from normprobe.runtime.spikes import DEFAULT_SPIKES
+from normprobe.runtime.zero import warn_spikes
+
+SCRIPT = Path(__file__).parents[1] / "helpers" / "deepspeed_train.py"
+STAGES = ("1", "2", "3")
+LOGGED = ["0", "2"]  # of steps 0 to 2, every 2
+CLIP = 0.05  # the script's gradient_clipping
+
+Ranks = dict[int, dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> Ranks:
+    out = tmp_path_factory.mktemp("deepspeed")
+    path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(out), str(rank), port],
+            cwd=out,
+            env={**os.environ, "PYTHONPATH": path},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    for rank, proc in enumerate(procs):
+        try:
+            log, _ = proc.communicate(timeout=300)  # a deadlock would hang here
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        assert proc.returncode == 0, f"rank {rank}:\n{log[-3000:]}"
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
+def test_the_stages_are_zero_optimizers(ranks: Ranks) -> None:
+    names = {stage: ranks[0][stage]["optimizer"] for stage in ("0", *STAGES)}
+    assert names == {
+        "0": "AdamW",
+        "1": "DeepSpeedZeroOptimizer",
+        "2": "DeepSpeedZeroOptimizer",
+        "3": "DeepSpeedZeroOptimizer_Stage3",
+    }
+
+
+@pytest.mark.subprocess
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", STAGES)
+def test_gradient_norms_are_the_whole_gradients_before_clipping(ranks: Ranks, stage: str) -> None:
+    reference, run = ranks[0]["0"], ranks[0][stage]
+    assert sorted(run["logged"]) == LOGGED
+    for step in LOGGED:
+        assert run["totals"][step] > 10 * CLIP  # DeepSpeed clips these by 10x or more
+        logged = run["logged"][step]["grad_norm"]
+        assert logged == pytest.approx(reference["grads"][step], rel=1e-5)
+        assert logged == pytest.approx(run["grads"][step], rel=1e-5)
+        assert ranks[1][stage]["logged"][step] == run["logged"][step]  # one reduced value
+
+
+@pytest.mark.subprocess
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", STAGES)
+def test_weight_statistics_are_of_the_whole_weights(ranks: Ranks, stage: str) -> None:
+    reference, run = ranks[0]["0"], ranks[0][stage]
+    for step in LOGGED:
+        logged = run["logged"][step]
+        assert logged["weight_rms"] == pytest.approx(reference["weights"][step], rel=1e-5)
+        assert logged["update_ratio"] == pytest.approx(run["updates"][step], rel=1e-5)
+        assert logged["update_ratio"] == pytest.approx(reference["updates"][step], rel=1e-4)
+        gains = reference["gains"][step]
+        assert all(std > 0.1 for _, std in gains)  # spread out: the std is measured
+        assert logged["norm_gain_mean"] == pytest.approx([m for m, _ in gains], rel=1e-5)
+        assert logged["norm_gain_std"] == pytest.approx([s for _, s in gains], rel=1e-5)
+        assert all(v > 0 for v in logged["resid_rms"])  # the forward's reads, stage 3 too
+
+
+@pytest.mark.subprocess
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", STAGES)
+def test_one_collective_per_logged_step_and_hooks_removed(ranks: Ranks, stage: str) -> None:
+    for rank in (0, 1):
+        run = ranks[rank][stage]
+        assert run["collectives"] == {"0": 1, "1": 0, "2": 1}
+        assert run["left"] == {"step_wrapped": False, "hooks": 0}
+    assert (ranks[0][stage]["sinks"], ranks[1][stage]["sinks"]) == (2, 0)  # rank 0 writes
+
+
+@pytest.mark.subprocess
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", STAGES)
+def test_without_the_zero_optimizer_the_parameter_families_are_refused(
+    ranks: Ranks, stage: str
+) -> None:
+    metrics, warned = ranks[0][stage]["unpaired"]
+    assert metrics == ["resid_rms"]
+    (message,) = [w for w in warned if "DeepSpeed" in w]
+    assert "grad_norm, weight_rms, update_ratio, norm_gain are not logged" in message
+    assert "optimizer=engine.optimizer" in message
+    assert ("stage 3" in message) == (stage == "3")
+    assert ranks[1][stage]["unpaired"] == [["resid_rms"], []]  # rank 0 says it
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
+def test_hf_trainer_with_a_zero_3_config_logs_gradients_before_clipping(tmp_path: Path) -> None:
+    """The Trainer runs DeepSpeed's step inside Accelerate's backward, before it calls any
+    callback: the callback reads the gradients when the ZeRO optimizer's step starts."""
+    script = SCRIPT.with_name("deepspeed_hf_train.py")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path)],
+            cwd=tmp_path,
+            env={
+                **env,
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    for rank, proc in enumerate(procs):
+        try:
+            log, _ = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        assert proc.returncode == 0, f"rank {rank}:\n{log[-3000:]}"
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert seen[0]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+    assert seen[0]["logged"] == seen[1]["logged"]
+    assert sorted(seen[0]["logged"]) == ["1", "2", "3"]
+    for step, logged in seen[0]["logged"].items():
+        assert logged == pytest.approx(seen[0]["grads"][step], rel=1e-5)
+        # the Trainer's own total, before clipping: the blocks' part of it, 20x the clip
+        total = seen[0]["totals"][step]
+        assert total > 20 * 0.05 and total >= math.sqrt(sum(v * v for v in logged))
+
+
+def test_deepspeed_optimizers_without_zero_are_refused_by_name() -> None:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+
+    model = TinyTransformer(depth=2, width=16)
+    for cls in (BF16_Optimizer, FP16_Optimizer):
+        optimizer = cls.__new__(cls)  # its class alone decides
+        with pytest.raises(TypeError, match=f'{cls.__name__} .*"stage": 1'):
+            normprobe.attach(model, optimizer)
+        assert not model._forward_pre_hooks and normprobe.attached_probe(model) is None
+
+
+def test_the_spike_detector_is_off_under_zero_said_so_in_one_process() -> None:
+    with pytest.warns(RuntimeWarning, match=r"spike detector \(spikes\) is off .* stage 2"):
+        warn_spikes(2, DEFAULT_SPIKES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_spikes(2, None)  # turned off by the user: nothing to say
