@@ -62,7 +62,8 @@ class GradNorm(Family):
         "top/bottom ratio (last block / first block); grad_norm_total over every trainable "
         "parameter and grad_norm_rest over those in no block (the blocks' squares and the "
         "rest's add up to the total's); grad_clip_factor, the total at the optimizer step "
-        "over the total before clipping (1: not clipped)"
+        "over the total before clipping (1: not clipped; from a fixed sample of each large "
+        "gradient: exact when clipping scales every gradient alike, as clip_grad_norm_ does)"
     )
     series = (
         Series("grad_norm", "block", "mean"),
@@ -81,9 +82,10 @@ class GradNorm(Family):
             stack: plan.slot(s.stop - s.start, plan.param_reduce) for stack, s in blocks.items()
         }
         whole = plan.slot(2, plan.param_reduce)  # the rest's and the total's squares
-        stepped = plan.slot(1, plan.param_reduce)  # the total's squares at the optimizer step
+        # the sampled total's squares before clipping and at the optimizer step
+        stepped = plan.slot(2, plan.param_reduce)
         total = grads.total_weights()
-        read_before = [False]
+        sampled_before: list[torch.Tensor] = []
         warned = [False]
 
         def read() -> None:
@@ -94,13 +96,13 @@ class GradNorm(Family):
             for stack, at in blocks.items():
                 plan.measured.put(slots[stack], sums[at])
             plan.measured.put(whole, torch.stack([sums[-1], _total(squares, total)]))
-            read_before[0] = plan.clipping_visible
+            # else the step sees the gradients `read` saw
+            sampled_before[:] = [grads.sampled_total()] if plan.clipping_visible else []
 
         def at_step() -> None:
-            if read_before[0]:  # else the step sees the gradients `read` saw
-                read_before[0] = False
-                squares = grads.squared_norms()
-                plan.measured.put(stepped, _total(squares, total).reshape(1))
+            if sampled_before:
+                plan.measured.put(stepped, torch.stack([sampled_before[0], grads.sampled_total()]))
+                sampled_before.clear()
 
         def record(values: Values, out: Out) -> None:
             both = values.get(whole)
@@ -138,13 +140,17 @@ def _write_clip_factor(
     plan: Plan, out: Out, total_squares: float, at_step: list[float] | None, warned: list[bool]
 ) -> bool:
     """Write the clip factor: the total gradient norm at the optimizer step over the one before
-    clipping (``at_step``: its squares), or clip_grad_norm_'s own factor where the trainer's
+    clipping, from a fixed sample of every gradient (``at_step``: the sample's squares before
+    and at the step), or clip_grad_norm_'s own factor where the trainer's
     clip norm is known (`Plan.clip_norm`). False (and a warning, once) when the gradients
     read before carried a loss scale: the step's gradient norms are not to be written."""
     if total_squares <= 0:
         return True
     if at_step is not None:
-        factor = math.sqrt(at_step[0] / total_squares)
+        before, after = at_step
+        if before <= 0:
+            return True
+        factor = math.sqrt(after / before)
         if _loss_scaled(factor):
             if out.writes and not warned[0]:
                 warned[0] = True

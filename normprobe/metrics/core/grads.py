@@ -11,6 +11,10 @@ from ... import probes
 from .base import Plan
 from .params import BlockParams
 
+# `GradSquares.sampled_total` reads a gradient of more than this many entries from a fixed sample
+# of about this many (`probes.SquareSums`, as the spike detector does by default)
+CLIP_SAMPLE = 4096
+
 
 class GradSquares:
     """The parameters of `BlockParams` (block by block), then every other trainable parameter
@@ -32,6 +36,7 @@ class GradSquares:
         # by id, each parameter's (first) place in `params`
         self.position = {id(p): i for i, p in reversed(list(enumerate(self.params)))}
         self._index: dict[torch.device, torch.Tensor] = {}
+        self._samplers: list[tuple[list[int], probes.SquareSums]] | None = None
         self._plan = plan
 
     @staticmethod
@@ -48,6 +53,38 @@ class GradSquares:
         """The squared gradient norms present now, in the order of `params` (None: 0)."""
         device = self.params[0].device
         return self.by_shape.squared_norms(self.holdings.grads(self.params), device)
+
+    def sampled_total(self) -> torch.Tensor:
+        """The sum of squares of every gradient present now (each parameter once, the loss
+        scale divided out), estimated from a fixed sample of each large one: read before
+        clipping and at the optimizer step, the ratio of the two is the clip factor, exact when
+        clipping scales every gradient by one factor (``clip_grad_norm_``), within the sample's
+        error otherwise."""
+        grads = self.holdings.grads(self.params)
+        if self._samplers is None:
+            weights = self.holdings.weights(self.params)
+            on: dict[torch.device, list[int]] = {}
+            seen: set[int] = set()
+            for i, p in enumerate(self.params):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    on.setdefault(weights[i].device, []).append(i)
+            # a sparse gradient (a sparse embedding's) is read whole
+            whole = [g is not None and g.layout != torch.strided for g in grads]
+            self._samplers = [
+                (
+                    at,
+                    probes.SquareSums(
+                        [weights[i] for i in at], CLIP_SAMPLE, [whole[i] for i in at]
+                    ),
+                )
+                for at in on.values()
+            ]
+        device = self.params[0].device
+        sums = [sample([grads[i] for i in at]).sum().to(device) for at, sample in self._samplers]
+        total = torch.stack(sums).sum()
+        scale = self._plan.grad_scale
+        return total if scale is None else total / scale.to(total) ** 2
 
     def total_weights(self) -> torch.Tensor | None:
         """1 for each parameter's first place in `params`, 0 for a repeat (a block nested in

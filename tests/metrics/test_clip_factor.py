@@ -1,0 +1,45 @@
+"""``grad_clip_factor`` on gradients large enough to be read from a sample: exact when clipping
+scales every gradient alike, close when it does not."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from clipping import CLIP, MAX_NORM, batches, check_clipped, clipped_loop
+
+import normprobe
+from normprobe.metrics.core.grads import CLIP_SAMPLE
+from normprobe.models import MLPStack
+
+
+def test_a_sampled_clip_factor_is_exact_under_clip_grad_norm() -> None:
+    torch.manual_seed(0)
+    model = MLPStack(depth=2, width=128)
+    assert max(p.numel() for p in model.parameters()) > 10 * CLIP_SAMPLE  # read from a sample
+    records, hand, totals = clipped_loop(model, batches(3, width=128))
+    check_clipped(records, hand, totals, 2)  # the factor: MAX_NORM / total, to 1e-4
+    for record, total in zip(records, totals, strict=True):
+        assert record.scalars[CLIP] == pytest.approx(MAX_NORM / total, rel=1e-5)
+
+
+def test_a_clip_by_value_reads_close_to_the_exact_factor() -> None:
+    torch.manual_seed(0)
+    model = MLPStack(depth=2, width=128)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sink = normprobe.MemorySink()
+    probe = normprobe.attach(model, opt, every=1, metrics=["grad_norm"], sinks=[sink])
+    exact = []
+    for x in batches(3, width=128):
+        (model(x) ** 2).mean().backward()
+        before = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)
+        after = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+        exact.append(after / before)
+        opt.step()
+        opt.zero_grad()
+    probe.remove()
+    assert all(0.05 < e < 0.95 for e in exact)  # clipped, and not by one factor everywhere
+    read = [r.scalars[CLIP] for r in sink.records]
+    assert read == pytest.approx(exact, rel=0.03)
