@@ -43,7 +43,8 @@ def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Dot product of ``a`` and ``b`` along `feature_dim` at each position, flattened like
     `row_norms`, in float32 or wider."""
     wide, dim = _wide(a), feature_dim(a)
-    return torch.linalg.vecdot(a.detach().to(wide), b.detach().to(wide), dim=dim).reshape(-1)
+    a, b = (t.detach() if t.dtype == wide else t.detach().to(wide) for t in (a, b))
+    return torch.linalg.vecdot(a, b, dim=dim).reshape(-1)
 
 
 def cosines_from_rows(

@@ -31,7 +31,9 @@ def outlier_parts(x: torch.Tensor) -> OutlierParts:
         x = x.unsqueeze(0)  # one position
     wide, dim = _wide(x), feature_dim(x) % x.ndim
     stride = sample_stride(x.shape, MEDIAN_SAMPLE)
-    sample = x.reshape(-1)[::stride].to(wide, copy=True)  # a copy: x may change in place later
+    flat = x.reshape(-1)
+    # a copy: x may change in place later
+    sample = (flat if stride == 1 else flat[::stride]).to(wide, copy=True)
     if x.dtype != wide:
         x = x.to(wide)
     if dim == x.ndim - 1:  # channels last: one row per position

@@ -5,6 +5,7 @@ models with in-place activations train through it unchanged."""
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from torch import nn
 import normprobe
 from normprobe import tags
 from normprobe.cli import main as normprobe_main
-from normprobe.runtime.backward_end import BackwardEnd
+from normprobe.runtime import backward
 
 BACKWARD = tags.format("nonfinite", "backward_modules")
 FIRST_BACKWARD = tags.format("nonfinite", "first_backward")
@@ -43,17 +44,15 @@ def healthy(record: normprobe.Record) -> bool:
 
 @pytest.fixture
 def registered(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """The number of tensor hooks registered on module inputs and outputs (not the one on the
-    model's output that ends each backward, `BackwardEnd`'s), as a one-item list the test can
-    reset."""
+    """The number of gradient hooks registered on module inputs and outputs (each is a
+    `functools.partial` of `backward._gradient`), as a one-item list the test can reset."""
     count = [0]
-    register = torch.Tensor.register_hook
 
-    def counting(self: torch.Tensor, hook: Any) -> Any:
-        count[0] += not isinstance(getattr(hook, "__self__", None), BackwardEnd)
-        return register(self, hook)
+    def counting(fn: Any, *args: Any) -> Any:
+        count[0] += fn is backward._gradient
+        return functools.partial(fn, *args)
 
-    monkeypatch.setattr(torch.Tensor, "register_hook", counting)
+    monkeypatch.setattr(backward, "partial", counting)
     yield count
 
 
