@@ -3,10 +3,11 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 # torchvision (needed by timm, whose vision models the tests build) exists only for torch 2.14.1 here;
-# both wheels install from the local disk in under a minute. See "Why torch 2.14.1" in the README.
+# both wheels install from the local disk in under a minute. See "Why torch 2.14.1" in
+# docs/contributing.md.
 TORCH := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test test-fast lint install clean gpu-check pictures
+.PHONY: demo test test-fast lint install clean gpu-check pictures docs
 
 # Two stamps: the demo needs the package, Lightning and the plot extra; the tests need the dev
 # tools too. The dev install covers the demo's, so it touches both stamps: `make demo` after
@@ -21,6 +22,12 @@ $(VENV)/.demo-installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[lightning,plot]'
+	touch $@
+
+$(VENV)/.docs-installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[docs]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -42,7 +49,12 @@ test: lint
 test-fast: $(VENV)/.installed
 	$(VENV)/bin/pytest -m "not slow and not subprocess and not distributed"
 
-# The README's TensorBoard pictures, from the demo's runs, rendered by headless Chromium.
+# The documentation site (mkdocs.yml, docs/) into site/: a broken link or reference fails it.
+# Open site/index.html, or serve it while editing with `.venv/bin/mkdocs serve`.
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The TensorBoard pictures of the README and docs/, from the demo's runs, rendered by headless Chromium.
 pictures: demo
 	$(PY) docs/make_pictures.py
 
@@ -51,4 +63,4 @@ gpu-check: $(VENV)/.installed
 	$(PY) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) runs site .pytest_cache .mypy_cache .ruff_cache

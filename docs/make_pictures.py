@@ -1,4 +1,5 @@
-"""Regenerate the README's TensorBoard pictures from `make demo`'s runs, as a user sees them.
+"""Regenerate the TensorBoard pictures of the README and docs/ from `make demo`'s runs, as a user
+sees them.
 
     python docs/make_pictures.py [--root runs]   # after `make demo`; needs chromium
 

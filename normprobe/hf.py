@@ -80,8 +80,9 @@ class NormProbeCallback(TrainerCallback):
     Args:
         every: log every this many steps instead of the Trainer's ``logging_steps``.
         metrics: names from ``normprobe.METRICS`` (default: all but the opt-in ones).
-        example_inputs, example_kwargs: inputs to map the model before training; by default
-            the model is mapped on its first training forward.
+        example_inputs: positional inputs to map the model before training; by default the
+            model is mapped on its first training forward.
+        example_kwargs: keyword inputs to map the model with, as ``example_inputs``.
         max_block_tags: as in `normprobe.attach`.
         spikes: the spike detector, as in `normprobe.attach` (None: off).
     """

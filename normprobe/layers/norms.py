@@ -35,7 +35,8 @@ class DyT(nn.Module):
         channels_first: apply ``weight``/``bias`` along dim 1 (convolutional feature maps).
         elementwise_affine: whether to learn ``weight`` (initialized to 1).
         bias: whether to learn ``bias`` (initialized to 0).
-        device, dtype: where and how to create the parameters.
+        device: where to create the parameters.
+        dtype: the parameters' dtype.
 
     Example::
 

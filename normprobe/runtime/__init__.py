@@ -63,8 +63,9 @@ def attach(
             without ``log_dir`` or ``writer``, no TensorBoard files are written.
         every: log every this many steps.
         metrics: names from ``normprobe.METRICS``.
-        example_inputs, example_kwargs: inputs to map the model now instead of on its first
+        example_inputs: positional inputs to map the model now instead of on its first
             forward.
+        example_kwargs: keyword inputs to map the model with, as ``example_inputs``.
         max_block_tags: deeper stacks get scalar tags for this many evenly spread blocks only
             (depth histograms always hold every block); norm and attention layers repeated
             more often (``blocks.*.ln_1``) are measured at this many evenly spread ones.

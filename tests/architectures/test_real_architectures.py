@@ -14,9 +14,10 @@ ask of them:
    the source names std 0.02/sqrt(2N), N the depth of its stack in that map;
 7. every action a doubt of the map names refuses and changes nothing;
 
-and the README's "Tested on" section lists every architecture whose map is right (`readme_rows`;
-``PYTHONPATH=tests/helpers python tests/architectures/test_real_architectures.py`` prints the
-rows). ``zoo_unseen.XFAIL`` names the (model, check) pairs that fail today (strict xfail, issue 25).
+and the "Tested on" section of docs/discovery.md lists every architecture whose map is right
+(`tested_on_rows`; ``PYTHONPATH=tests/helpers python
+tests/architectures/test_real_architectures.py`` prints the rows). ``zoo_unseen.XFAIL`` names the
+(model, check) pairs that fail today (strict xfail, issue 25).
 
 Each model is built (``torch.manual_seed(0)``, ``eval()``) and discovered once (`_pristine`);
 every test works on a deep copy.
@@ -59,7 +60,7 @@ NAMES = list(BUILDERS)
 ZOOS = (zoo_hf.BUILDERS, zoo_vision.BUILDERS, zoo_unseen.BUILDERS)
 assert len(NAMES) == sum(len(z) for z in ZOOS), "a name in two zoos"
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DISCOVERY_PAGE = Path(__file__).resolve().parents[2] / "docs" / "discovery.md"
 
 # Models on which reinit(model, "gpt2") refuses because of a doubt of their map: the doubt's
 # kind. vit-pytorch's MaxViT: its map still takes each layer's sublayers for stacks (issue 25
@@ -398,7 +399,7 @@ def test_every_doubt_makes_its_actions_refuse(name: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# README
+# docs/discovery.md
 
 
 def _placement(s: normprobe.Stack) -> str:
@@ -426,7 +427,7 @@ def _block_writers(m: ModelMap) -> str:
     return "—"
 
 
-def readme_row(name: str) -> str:
+def tested_on_row(name: str) -> str:
     b = _pristine(name)
     m = b.model_map
     library = type(b.model).__module__.split(".")[0]
@@ -439,24 +440,24 @@ def readme_row(name: str) -> str:
     return f"| {name} | {family} | {stacks} | {adds} | {_block_writers(m)} |"
 
 
-def readme_rows() -> list[str]:
+def tested_on_rows() -> list[str]:
     """A row for every architecture whose map is right (not marked xfail in zoo_unseen)."""
-    return [readme_row(name) for name in NAMES if (name, "map") not in zoo_unseen.XFAIL]
+    return [tested_on_row(name) for name in NAMES if (name, "map") not in zoo_unseen.XFAIL]
 
 
-def _tested_on(readme: str) -> str:
-    head = "### Tested on\n"
-    assert head in readme, "README.md has no '### Tested on' section"
-    section = readme.split(head, 1)[1]
+def _tested_on(page: str) -> str:
+    head = "## Tested on\n"
+    assert head in page, "docs/discovery.md has no '## Tested on' section"
+    section = page.split(head, 1)[1]
     return section.split("\n#", 1)[0]
 
 
-def test_readme_lists_every_architecture() -> None:
-    section = _tested_on(README.read_text())
+def test_the_discovery_page_lists_every_architecture() -> None:
+    section = _tested_on(DISCOVERY_PAGE.read_text())
     lines = set(section.splitlines())
-    missing = [row for row in readme_rows() if row not in lines]
+    missing = [row for row in tested_on_rows() if row not in lines]
     assert not missing, (
-        f"{len(missing)} rows missing from README's Tested on (print them with "
+        f"{len(missing)} rows missing from docs/discovery.md's Tested on (print them with "
         "`PYTHONPATH=tests/helpers python tests/architectures/test_real_architectures.py`): "
         f"{missing[:3]}"
     )
@@ -465,4 +466,4 @@ def test_readme_lists_every_architecture() -> None:
 
 
 if __name__ == "__main__":
-    print("\n".join(readme_rows()))
+    print("\n".join(tested_on_rows()))

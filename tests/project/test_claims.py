@@ -1,5 +1,5 @@
 """Every claim script runs in ``--quick`` mode and produces its table, its plot and a verdict
-(the numbers of a quick run say nothing; the README quotes full runs)."""
+(the numbers of a quick run say nothing; docs/claims.md quotes full runs)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Every Python block of the README runs as written; a block marked ``<!-- sketch: why -->``
-(it needs the reader's own model or data) is only compiled."""
+"""Every Python block of the README and of the documentation pages (`docs/**/*.md`) runs as
+written; a block marked ``<!-- sketch: why -->`` (it needs the reader's own model or data) is only
+compiled. A block that appears in several places (the README's quickstart is also a guide's) runs
+once."""
 
 from __future__ import annotations
 
@@ -16,38 +18,62 @@ from torch import nn
 import normprobe
 from normprobe import tags
 
-README = Path(__file__).parents[2] / "README.md"
+ROOT = Path(__file__).parents[2]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 _BLOCK = re.compile(r"(?:<!-- sketch: (?P<why>[^>]*) -->\n)?```python\n(?P<code>.*?)```", re.S)
 
 
-def _blocks() -> list[tuple[int, str, str | None]]:
-    text = README.read_text()
+def _blocks(page: Path) -> list[tuple[str, str, str | None]]:
+    """(``path:line``, code, why it is a sketch or None) of each Python block of ``page``."""
+    text = page.read_text()
+    name = page.relative_to(ROOT).as_posix()
     return [
-        (text.count("\n", 0, m.start("code")) + 1, m["code"], m["why"])
+        (f"{name}:{text.count(chr(10), 0, m.start('code')) + 1}", m["code"], m["why"])
         for m in _BLOCK.finditer(text)
     ]
 
 
-def test_the_readme_has_runnable_blocks() -> None:
-    blocks = _blocks()
-    assert len(blocks) >= 8 and sum(why is None for _, _, why in blocks) >= 4
+def _distinct() -> list[tuple[str, str, str | None]]:
+    """Every page's blocks, each distinct code once: under the first place it runs, else the
+    first place it appears."""
+    seen: dict[str, tuple[str, str, str | None]] = {}
+    for page in PAGES:
+        for where, code, why in _blocks(page):
+            if code not in seen or (seen[code][2] is not None and why is None):
+                seen[code] = (where, code, why)
+    return list(seen.values())
+
+
+def test_the_readme_and_the_pages_have_runnable_blocks() -> None:
+    readme = _blocks(README)
+    assert len(readme) >= 3 and sum(why is None for _, _, why in readme) >= 1
+    blocks = _distinct()
+    assert len(blocks) >= 15 and sum(why is None for _, _, why in blocks) >= 6
+
+
+def test_the_pages_are_found() -> None:
+    names = {p.relative_to(ROOT).as_posix() for p in PAGES}
+    assert {"README.md", "docs/metrics.md", "docs/guides/plain-pytorch.md"} <= names
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize(("line", "code", "why"), _blocks(), ids=lambda v: str(v)[:8])
-def test_readme_block(tmp_path: Path, line: int, code: str, why: str | None) -> None:
-    compile(code, f"README.md:{line}", "exec")  # every block is valid Python
+@pytest.mark.parametrize(
+    ("where", "code", "why"), [pytest.param(*block, id=block[0]) for block in _distinct()]
+)
+def test_doc_block(tmp_path: Path, where: str, code: str, why: str | None) -> None:
+    compile(code, where, "exec")  # every block is valid Python
     if why is not None:
-        pytest.skip(f"README.md:{line} is a sketch: {why}")
+        pytest.skip(f"{where} is a sketch: {why}")
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
-    assert done.returncode == 0, f"README.md:{line}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"{where}\n{done.stderr[-3000:]}"
 
 
 def _reading_lines() -> str:
     """The lines of the README's first runnable block that read the probe after its loop."""
-    code = next(code for _, code, why in _blocks() if why is None)
+    code = next(code for _, code, why in _blocks(README) if why is None)
     lines = [line for line in code.splitlines() if line.startswith("print(probe")]
     assert len(lines) >= 2
     return "\n".join(lines)
