@@ -49,6 +49,10 @@ CLIPPED = 0.999
 # gradients at the optimizer step smaller by an exact power of two, at least this one, than at
 # the backward's end carried a loss scale (GradScaler starts at 2**16)
 SCALED = 16.0
+# smaller by at least this much, not a power of two: clipped that much, or clipped and scaled
+# by a GradScaler the probe did not see (one that gets there falls below 2**10 only after six
+# overflows in a row)
+UNSEEN_SCALE = 2.0**10
 # what torch.nn.utils.clip_grad_norm_ adds to the total it divides the max norm by
 CLIP_EPS = 1e-6
 
@@ -83,21 +87,22 @@ class GradNorm(Family):
         whole = plan.slot(2, plan.param_reduce)  # the rest's and the total's squares
         stepped = plan.slot(1, plan.param_reduce)  # the total's squares at the optimizer step
         total = grads.total_weights()
-        read_before = [False]
+        read, read_before = [False], [False]  # this step's gradients were read (before clipping)
         warned = [False]
 
-        def read() -> None:
-            sums = grads.group_sums()
-            squares = grads.squares
-            if sums is None or squares is None:
+        def take() -> None:
+            read[0], read_before[0] = True, plan.clipping_visible
+
+        def at_step() -> None:
+            # what `take` saw, put here: a loss scale found at the step is divided out by now
+            sums, squares = grads.group_sums(), grads.squares
+            if not read[0] or sums is None or squares is None:
                 return
+            read[0] = False
             for stack, at in blocks.items():
                 plan.measured.put(slots[stack], sums[at])
             plan.measured.put(whole, torch.stack([sums[-1], _total(squares, total)]))
-            read_before[0] = plan.clipping_visible
-
-        def at_step() -> None:
-            if read_before[0]:  # else the step sees the gradients `read` saw
+            if read_before[0]:  # else the step sees the gradients `take` saw
                 read_before[0] = False
                 squares = grads.squared_norms()
                 plan.measured.put(stepped, _total(squares, total).reshape(1))
@@ -116,7 +121,7 @@ class GradNorm(Family):
                 if squares is not None:
                     _write_blocks(plan, out, stack, squares)
 
-        plan.on_gradients(read)
+        plan.on_gradients(take)
         plan.before_step(at_step)
         plan.on_record(record)
 
@@ -145,10 +150,11 @@ def _write_clip_factor(
         return True
     if at_step is not None:
         factor = math.sqrt(at_step[0] / total_squares)
-        if _loss_scaled(factor):
-            if out.writes and not warned[0]:
-                warned[0] = True
-                _warn_scaled(out, factor)
+        scaled = _loss_scaled(factor)
+        if (scaled or factor <= 1 / UNSEEN_SCALE) and out.writes and not warned[0]:
+            warned[0] = True
+            _warn_scaled(out, factor, scaled)
+        if scaled:
             return False
     elif plan.clip_norm is not None:
         factor = plan.clip_norm / (math.sqrt(total_squares) + CLIP_EPS)
@@ -228,12 +234,22 @@ def _loss_scaled(factor: float) -> bool:
     return abs(power - round(power)) < 1e-4
 
 
-def _warn_scaled(out: Out, factor: float) -> None:
+def _warn_scaled(out: Out, factor: float, scaled: bool) -> None:
+    """Warn that the gradients read before the step may carry a loss scale: they do when
+    ``scaled`` (not written), else they may (written)."""
+    seen = f"{1 / factor:.4g}x those at the optimizer step"
+    why = (
+        f"{seen}, a power of two: a loss scale (fp16 GradScaler) normprobe does not know; "
+        "grad_norm is not written on such steps"
+        if scaled
+        else f"{seen}: clipped that much, or clipped and loss-scaled by a GradScaler that "
+        "normprobe did not see; grad_norm is written as read before clipping"
+    )
     warnings.warn(
-        f"normprobe: at step {out.step} the gradients at the end of the backward were "
-        f"{1 / factor:.0f}x those at the optimizer step, a power of two: a loss scale (fp16 "
-        "GradScaler) the probe does not know. grad_norm is not written on such steps; pass "
-        "the scaler: normprobe.attach(model, optimizer=opt, scaler=scaler)",
+        f"normprobe: at step {out.step} the gradients at the end of the backward were {why}. "
+        "normprobe finds a GradScaler when scaler.step(opt) steps the optimizer; one that "
+        "unscales and steps it otherwise must be passed: "
+        "normprobe.attach(model, optimizer=opt, scaler=scaler)",
         RuntimeWarning,
         stacklevel=2,
     )

@@ -24,6 +24,7 @@ from .forward import Forwards
 from .hooks import OptimizerSteps, ProbeHook
 from .packing import read_back
 from .plan import ProbePlan
+from .scaler import loss_scale, stepping_scaler
 from .spikes import Spikes, SpikeWatch
 from .zero import Zero, ZeroSteps, warn_spikes, without_partitioned
 
@@ -41,8 +42,9 @@ class Probe:
     are logged like scheduled ones. Gradients are read where they are complete and before any
     clipping: at the end of each backward through the model's output (the step's last one
     counts; `normprobe.runtime.backward_end`), else just before the optimizer step; a
-    ``scaler`` (``torch.amp.GradScaler``; found on Accelerate's optimizer by itself) divides
-    out the loss scale they carry there. Drivers that count steps themselves (the Lightning and
+    ``scaler`` (``torch.amp.GradScaler``; found on Accelerate's optimizer, or when its
+    ``step`` steps the optimizer: `normprobe.runtime.scaler`) divides out the loss scale they
+    carry there. Drivers that count steps themselves (the Lightning and
     Hugging Face callbacks) call `begin_step`, `before_optimizer_step` and `end_step`, and pass
     what only they know as the underscored arguments: how ranks combine parameter statistics
     (``"sum"`` when each holds a shard), the step phase of their logging schedule, a prefix
@@ -244,7 +246,7 @@ class Probe:
         if not self._reads_gradients():
             return
         self._gradients_read = True
-        scale = _loss_scale(self.scaler)
+        scale = loss_scale(self.scaler, self.optimizer, at_step)
         if self._spikes is not None:
             self._spikes.detector.measure(scale)
         if self._logged and self._plan is not None:
@@ -259,12 +261,27 @@ class Probe:
         """Read the gradients unless a backward's end read them (no backward through the
         model's output); read the gains, and keep what the update ratio compares against;
         check the step for a spike."""
+        late = self._scaler_found()
         if not self._gradients_read:
             self.gradients_complete(at_step=True)
         if self._spikes is not None:
+            if late is not None:
+                self._spikes.detector.unscale(late)
             self._spikes.detector.watch(self.step_count)
         if self._logged and self._plan is not None:
-            self._plan.run("before_step")
+            self._plan.late_scale = late
+            try:
+                self._plan.run("before_step")
+            finally:
+                self._plan.late_scale = None
+
+    def _scaler_found(self) -> torch.Tensor | None:
+        """Take a GradScaler that steps the optimizer (`stepping_scaler`) when none was handed
+        over; the scale that the gradients read at this step's backward end carry, if they were."""
+        if self.scaler is not None or self._zero is not None or not self._reads_gradients():
+            return None
+        self.scaler = stepping_scaler()
+        return loss_scale(self.scaler, None, False) if self._gradients_read else None
 
     @property
     def reads_zero_step(self) -> bool:
@@ -401,14 +418,6 @@ def _warn_no_step(model: nn.Module, forwards: int, has_optimizer: bool) -> None:
         RuntimeWarning,
         stacklevel=3,  # the caller of remove()
     )
-
-
-def _loss_scale(scaler: Any) -> torch.Tensor | None:
-    """The scale a GradScaler multiplies the loss by, on the device (no host sync), or None."""
-    if scaler is None or not scaler.is_enabled():
-        return None
-    scale: torch.Tensor | None = getattr(scaler, "_scale", None)  # None before its first scale()
-    return scale
 
 
 def unwrapped_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:

@@ -65,18 +65,53 @@ def test_a_grad_scaler_handed_over_is_divided_out() -> None:
     check_clipped(records, hand, totals, 3)
 
 
-def test_an_unknown_grad_scaler_is_warned_not_logged() -> None:
+def test_a_grad_scaler_not_handed_over_is_found_at_its_step() -> None:
+    """Step 0 is read at the backward's end before the scaler is known: divided at the step."""
     torch.manual_seed(0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
-    with pytest.warns(RuntimeWarning, match=r"4096x.*scaler=scaler"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        records, hand, totals = clipped_loop(
+            MLPStack(depth=3, width=16), batches(3), scaler=scaler, hand_scaler=False
+        )
+    check_clipped(records, hand, totals, 3)
+
+
+def test_a_grad_scaler_not_handed_over_without_clipping() -> None:
+    torch.manual_seed(0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    records, hand, _ = clipped_loop(
+        MLPStack(depth=3, width=16), batches(2), scaler=scaler, hand_scaler=False, max_norm=math.inf
+    )
+    for record, expected in zip(records, hand, strict=True):
+        assert logged(record, "blocks", 3) == pytest.approx(expected, rel=1e-5)
+        assert record.scalars[CLIP] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_a_grad_scaler_stepping_unseen_is_warned_not_logged() -> None:
+    """Unscaled by hand and stepped by ``opt.step()``: no scaler to find. Unclipped, the
+    power of two shows (nothing written); clipped too, the warning says which it may be."""
+    torch.manual_seed(0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    with pytest.warns(RuntimeWarning, match=r"4096x.*a power of two.*scaler=scaler"):
         records, _, _ = clipped_loop(
             MLPStack(depth=3, width=16),
             batches(2),
             scaler=scaler,
             hand_scaler=False,
-            max_norm=math.inf,  # not clipped: a clipped total hides the power of two
+            own_step=True,
+            max_norm=math.inf,
         )
     assert records and not any(k.startswith("normprobe/grad_") for r in records for k in r.scalars)
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match=r"clipped and loss-scaled.*scaler=scaler"):
+        clipped_loop(
+            MLPStack(depth=3, width=16),
+            batches(1),
+            scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12),
+            hand_scaler=False,
+            own_step=True,
+        )
 
 
 def test_gradients_set_by_hand_are_read_at_the_step() -> None:
@@ -138,6 +173,32 @@ def test_spike_capped_by_clipping_is_seen() -> None:
         probe.remove()
     spikes = [r.step for r in sink.records if tags.format("spike", "grad_z") in r.scalars]
     assert spikes == [25]
+
+
+def test_spike_detector_takes_the_scale_found_at_the_step() -> None:
+    """Step 0's norm, read at the backward's end before the scaler is known, is divided too:
+    left 4096x, it would hide the spike at step 8 among 8 steps of history."""
+    torch.manual_seed(0)
+    model = MLPStack(depth=2, width=8)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    sink = normprobe.MemorySink()
+    x = torch.randn(8, 8)
+    probe = normprobe.attach(
+        model, opt, sinks=[sink], every=1000, spikes=normprobe.Spikes(window=8)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step in range(10):
+            scaler.scale((model(x) ** 2).mean().mul(1000 if step == 8 else 1)).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        probe.remove()
+    spikes = [r.step for r in sink.records if tags.format("spike", "grad_z") in r.scalars]
+    assert spikes == [8]
 
 
 def test_accelerate_clip_grad_norm() -> None:
@@ -280,7 +341,10 @@ def test_report_notes_a_run_clipped_on_most_steps(tmp_path: Path) -> None:
     model = MLPStack(depth=2, width=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(8, 8)
-    with normprobe.attach(model, opt, log_dir=str(tmp_path), every=2, spikes=None):
+    with (
+        pytest.warns(RuntimeWarning, match="6777x .* clipped that much"),
+        normprobe.attach(model, opt, log_dir=str(tmp_path), every=2, spikes=None),
+    ):
         for _ in range(8):
             (model(x) ** 2).mean().mul(100).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)

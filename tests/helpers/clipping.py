@@ -51,11 +51,14 @@ def clipped_loop(
     forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     scaler: torch.amp.GradScaler | None = None,
     hand_scaler: bool = True,
+    own_step: bool = False,
     persistent: bool = False,
     max_norm: float = MAX_NORM,
 ) -> tuple[list[normprobe.Record], list[dict[str, float]], list[float]]:
-    """Train with SGD, clipping to MAX_NORM, ``accumulate`` micro-batches a step; the probe's
-    records, the hand norms before clipping and the totals ``clip_grad_norm_`` returned."""
+    """Train with SGD, clipping to ``max_norm``, ``accumulate`` micro-batches a step; the probe's
+    records, the hand norms before clipping and the totals ``clip_grad_norm_`` returned. With a
+    ``scaler`` (handed to the probe if ``hand_scaler``), its ``scaler.step(opt)`` steps, or
+    ``opt.step()`` after its ``unscale_`` with ``own_step``."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sink = normprobe.MemorySink()
     probe = normprobe.Probe(
@@ -78,10 +81,11 @@ def clipped_loop(
             scaler.unscale_(opt)
         hand.append(norms(model.blocks, model))
         totals.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        if scaler is None:
+        if scaler is None or own_step:
             opt.step()
         else:
             scaler.step(opt)
+        if scaler is not None:
             scaler.update()
         opt.zero_grad()
     probe.remove()
