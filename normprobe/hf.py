@@ -23,7 +23,7 @@ from transformers.integrations.integration_utils import (
 )
 from transformers.trainer_callback import CallbackHandler
 
-from .common import MAX_BLOCK_TAGS, check_every
+from .common import MAX_BLOCK_TAGS, check_every, is_compiled
 from .metrics import chosen
 from .runtime import Probe
 from .runtime.spikes import DEFAULT_SPIKES, Spikes
@@ -132,6 +132,8 @@ class NormProbeCallback(TrainerCallback):
             max_block_tags=self.max_block_tags,
             start_step=state.global_step,
             spikes=self.spikes,
+            # compiled (TrainingArguments(torch_compile=True)): no hook added later
+            persistent_hooks=bool(args.torch_compile) or is_compiled(model),
             _zero_optimizer=kwargs.get("optimizer"),  # a DeepSpeed config's ZeRO optimizer
             scaler=scaler,
         )

@@ -20,6 +20,7 @@ from ..metrics.core.base import Reduce
 from ..metrics.core.params import OwnTensors
 from ..sinks import Record, Sink
 from .backward_end import BackwardEnd
+from .ds_engine import Engine0
 from .forward import Forwards
 from .hooks import OptimizerSteps, ProbeHook
 from .packing import read_back
@@ -78,14 +79,19 @@ class Probe:
         self.model = model
         # DeepSpeed ZeRO: its gradients and step are its own (a driver that counts steps itself
         # passes its optimizer as ``_zero_optimizer``): read when its step starts, before it
-        # clips them, no step counted
-        self._zero = Zero.of(optimizer if optimizer is not None else _zero_optimizer)
+        # clips them, no step counted; an engine without ZeRO likewise (`Engine0`)
+        self._zero: Zero | Engine0 | None = Zero.of(
+            optimizer if optimizer is not None else _zero_optimizer
+        ) or Engine0.of(model)
         if self._zero is not None:
-            warn_spikes(self._zero.stage, spikes)
-            spikes = None
+            if self._zero.partitioned:
+                warn_spikes(self._zero.stage, spikes)
+                spikes = None
             _gradients_at = "step"
         # Accelerate's AcceleratedOptimizer holds the GradScaler of fp16 training
         self.scaler = scaler if scaler is not None else getattr(optimizer, "scaler", None)
+        if self.scaler is None and isinstance(self._zero, Engine0):
+            self.scaler = self._zero.scaler
         self.optimizer = optimizer = unwrapped_optimizer(optimizer)
         self.sinks = list(sinks)
         self.every = every
@@ -144,8 +150,10 @@ class Probe:
         self._install(model_map)
 
     def discover_lazily(self) -> None:
-        """Map the model on its first real forward, then record that forward already."""
+        """Map the model on its first real forward, then record that forward already (outside
+        ``torch.compile``'s tracing of it, if compiled)."""
 
+        @torch.compiler.disable  # type: ignore[untyped-decorator]
         def first(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self._discovery_hook.remove()
             self.discover_now(*args, **kwargs)

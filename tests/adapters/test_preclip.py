@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 import normprobe
 from normprobe import report as rp
 from normprobe import tags
+from normprobe.common import is_compiled
 from normprobe.models import MLPStack, TinyTransformer
 
 
@@ -131,11 +132,23 @@ def test_gradients_set_by_hand_are_read_at_the_step() -> None:
     assert CLIP not in record.scalars  # read at the step: clipping cannot be told apart
 
 
-def test_parametrized_model() -> None:
-    class Symmetric(nn.Module):
-        def forward(self, w: torch.Tensor) -> torch.Tensor:
-            return w.triu() + w.triu(1).transpose(0, 1)
+class Regress(nn.Module):
+    """A model the Hugging Face Trainer trains: its output carries the loss."""
 
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": (self.model(x) ** 2).mean() * 50}
+
+
+class Symmetric(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.triu() + w.triu(1).transpose(0, 1)
+
+
+def test_parametrized_model() -> None:
     torch.manual_seed(0)
     model = MLPStack(depth=3, width=16, hidden_mult=1)
     for block in model.blocks:
@@ -270,6 +283,67 @@ def test_hf_trainer_total_is_its_own_grad_norm(tmp_path: Path) -> None:
         )
         assert blocks + rest[step] ** 2 == pytest.approx(total**2, rel=1e-5)
         assert dict(scalars[CLIP])[step] == pytest.approx(0.25 / total, rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapped", ["parametrized", "compiled"])
+def test_hf_trainer_parametrized_or_compiled(tmp_path: Path, wrapped: str) -> None:
+    """Each block's norm where the Trainer is about to clip (its accelerator's
+    ``clip_grad_norm_``, watched) is the one logged, two micro-batches a step."""
+    pytest.importorskip("transformers")
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from normprobe.hf import NormProbeCallback
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    inner = MLPStack(depth=3, width=16, hidden_mult=1)
+    if wrapped == "parametrized":
+        for block in inner.blocks:
+            nn.utils.parametrize.register_parametrization(block.mlp.fc, "weight", Symmetric())
+    model = Regress(inner)
+    compiled = {"torch_compile": True, "torch_compile_backend": "eager"}
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=0.05,
+        max_grad_norm=MAX_NORM,
+        report_to=["tensorboard"],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        **(compiled if wrapped == "compiled" else {}),
+    )
+    probe = NormProbeCallback(metrics=["grad_norm"], spikes=None)
+    records: list[normprobe.Record] = []
+
+    class Latest(TrainerCallback):
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            assert probe.latest is not None
+            records.append(probe.latest)
+
+    data = [{"x": torch.randn(16)} for _ in range(16)]
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[probe, Latest()])
+    hand, totals = [], []
+    clip = trainer.accelerator.clip_grad_norm_
+
+    def watched(params: Any, max_norm: float, *a: Any, **k: Any) -> torch.Tensor:
+        hand.append(norms(inner.blocks, model))
+        total = clip(params, max_norm, *a, **k)
+        totals.append(float(total))
+        return total
+
+    trainer.accelerator.clip_grad_norm_ = watched  # type: ignore[method-assign]
+    try:
+        trainer.train()
+    finally:  # the shared state keeps the dynamo backend: later Accelerators would compile
+        AcceleratorState._reset_state()
+    assert wrapped != "compiled" or is_compiled(trainer.model_wrapped)
+    check_clipped(records, hand, totals, 3, stack="model.blocks")
 
 
 class ClipSpy(Callback):

@@ -98,15 +98,17 @@ def batches(n: int, rows: int = 8, width: int = 16) -> list[torch.Tensor]:
 
 
 def check_clipped(
-    records: list[normprobe.Record], hand: list[dict[str, float]], totals: list[float], depth: int
+    records: list[normprobe.Record],
+    hand: list[dict[str, float]],
+    totals: list[float],
+    depth: int,
+    stack: str = "blocks",
 ) -> None:
     assert len(records) == len(hand) > 0
     for record, expected, total in zip(records, hand, totals, strict=True):
         assert total > 2 * MAX_NORM  # clipped: values smaller by the clip factor fail
-        assert logged(record, "blocks", depth) == pytest.approx(expected, rel=1e-5)
+        assert logged(record, stack, depth) == pytest.approx(expected, rel=1e-5)
         assert record.scalars[TOTAL] == pytest.approx(total, rel=1e-5)
-        blocks = sum(
-            record.scalars[tags.format("grad_norm", "blocks", b)] ** 2 for b in range(depth)
-        )
+        blocks = sum(record.scalars[tags.format("grad_norm", stack, b)] ** 2 for b in range(depth))
         assert blocks + record.scalars[REST] ** 2 == pytest.approx(record.scalars[TOTAL] ** 2)
         assert record.scalars[CLIP] == pytest.approx(MAX_NORM / total, rel=1e-4)
