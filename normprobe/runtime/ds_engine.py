@@ -21,11 +21,14 @@ from .zero import Zero, ZeroSteps, deepspeed_optimizer
 
 
 def deepspeed_engine(model: nn.Module) -> Any:
-    """The DeepSpeed engine whose ``module`` is ``model`` (it holds it among its submodules),
-    or None; found once, through the objects that refer to ``model``."""
+    """``model`` if it is a DeepSpeed engine (as ``accelerator.prepare`` returns it), else the
+    one whose ``module`` it is (it holds it among its submodules), or None; found once, through
+    the objects that refer to ``model``."""
     engine = sys.modules.get("deepspeed.runtime.engine")  # not imported: none exists
     if engine is None:
         return None
+    if isinstance(model, engine.DeepSpeedEngine):
+        return model
     for holder in gc.get_referrers(model):  # the engine's ``_modules``
         if not isinstance(holder, dict) or holder.get("module") is not model:
             continue

@@ -1,5 +1,6 @@
 """NormProbe on DeepSpeed ZeRO: two CPU processes over gloo, run by tests/helpers/deepspeed_train.py
-(the plain engine) and tests/helpers/deepspeed_hf_train.py (a Hugging Face Trainer).
+(the plain engine) and tests/helpers/deepspeed_hf_train.py (a Hugging Face Trainer, and a loop
+with Accelerate's DeepSpeed plugin).
 
 Stages 0 to 3 against stage 0's witness (same weights, same batches; stage 0 all-reduces the
 gradients after the backward, where the probe must not read them), two micro-batches a step and
@@ -32,6 +33,7 @@ from normprobe.runtime.zero import warn_spikes
 SCRIPT = Path(__file__).parents[1] / "helpers" / "deepspeed_train.py"
 STAGES = ("0", "1", "2", "3")  # 0: a DeepSpeed engine without ZeRO, the reference
 ZERO = STAGES[1:]
+ACCELERATED = ("0", "3")  # Accelerate's plugin: the engine as the model; ZeRO-3's parameters
 LOGGED = ["0", "2"]  # of steps 0 to 2, every 2
 CLIP = 0.05  # the script's gradient_clipping
 
@@ -141,15 +143,11 @@ def test_without_the_zero_optimizer_the_parameter_families_are_refused(
     assert not warned
 
 
-@pytest.mark.slow
-@pytest.mark.subprocess
-@pytest.mark.distributed
-def test_hf_trainer_with_zero_stages_0_to_3_logs_gradients_before_clipping(
-    tmp_path: Path,
-) -> None:
-    """One launch, four Trainers. The Trainer runs DeepSpeed's step inside Accelerate's
-    backward, before it calls any callback: the callback reads the gradients when the engine's
-    step (stage 0) or the ZeRO optimizer's starts."""
+@pytest.fixture(scope="module")
+def wrapped(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One launch: a Hugging Face Trainer with a DeepSpeed config of each stage, then a loop
+    with Accelerate's DeepSpeed plugin of each of ACCELERATED (its runs under 10 + stage)."""
+    out = tmp_path_factory.mktemp("deepspeed_hf")
     script = SCRIPT.with_name("deepspeed_hf_train.py")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -158,8 +156,8 @@ def test_hf_trainer_with_zero_stages_0_to_3_logs_gradients_before_clipping(
     env = {**os.environ, "PYTHONPATH": path, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path), ",".join(STAGES)],
-            cwd=tmp_path,
+            [sys.executable, str(script), str(out), ",".join(STAGES), ",".join(ACCELERATED)],
+            cwd=out,
             env={
                 **env,
                 "RANK": str(r),
@@ -181,18 +179,31 @@ def test_hf_trainer_with_zero_stages_0_to_3_logs_gradients_before_clipping(
                 p.kill()
             raise
         assert proc.returncode == 0, f"rank {rank}:\n{log[-3000:]}"
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    names = {stage: seen[0][stage]["optimizer"] for stage in STAGES}
-    assert names == {
-        "0": "AdamW",
-        "1": "DeepSpeedZeroOptimizer",
-        "2": "DeepSpeedZeroOptimizer",
-        "3": "DeepSpeedZeroOptimizer_Stage3",
-    }
-    reference = seen[0]["0"]["grads"]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+OPTIMIZERS = {
+    "0": "AdamW",
+    "1": "DeepSpeedZeroOptimizer",
+    "2": "DeepSpeedZeroOptimizer",
+    "3": "DeepSpeedZeroOptimizer_Stage3",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
+def test_hf_trainer_with_zero_stages_0_to_3_logs_gradients_before_clipping(
+    wrapped: list[dict[str, Any]],
+) -> None:
+    """The Trainer runs DeepSpeed's step inside Accelerate's backward, before it calls any
+    callback: the callback reads the gradients when the engine's step (stage 0) or the ZeRO
+    optimizer's starts."""
+    reference = wrapped[0]["0"]["grads"]
     for stage in STAGES:
-        run = seen[0][stage]
-        assert run["logged"] == seen[1][stage]["logged"]
+        run = wrapped[0][stage]
+        assert run["optimizer"] == OPTIMIZERS[stage]
+        assert run["logged"] == wrapped[1][stage]["logged"]
         assert sorted(run["logged"]) == ["1", "2"]
         for step, logged in run["logged"].items():
             assert logged == pytest.approx(run["grads"][step], rel=1e-5)
@@ -201,6 +212,25 @@ def test_hf_trainer_with_zero_stages_0_to_3_logs_gradients_before_clipping(
             total = run["totals"].get(step, math.inf)
             assert total > 20 * 0.05 and total >= math.sqrt(sum(v * v for v in logged))
         assert (stage == "0") == (not run["totals"])
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
+def test_accelerate_deepspeed_plugin_logs_gradients_before_clipping(
+    wrapped: list[dict[str, Any]],
+) -> None:
+    """``attach(model, opt)`` with what ``accelerator.prepare`` returned: the engine itself
+    (stage 0: its step is found) and Accelerate's optimizer (the ZeRO optimizer behind it)."""
+    reference = wrapped[0]["10"]["grads"]
+    for stage in ACCELERATED:
+        run = wrapped[0][f"1{stage}"]
+        assert run["optimizer"] == OPTIMIZERS[stage]
+        assert sorted(run["logged"]) == ["0", "1"] == sorted(run["grads"])
+        for step, logged in run["logged"].items():
+            assert sum(v * v for v in logged) > (10 * 0.05) ** 2  # clipped by 10x or more
+            assert logged == pytest.approx(run["grads"][step], rel=1e-5)
+            assert logged == pytest.approx(reference[step], rel=1e-5)
 
 
 def test_deepspeed_optimizers_without_zero_are_refused_by_name() -> None:
