@@ -25,7 +25,8 @@ def deepspeed_engine(model: nn.Module) -> Any:
     one whose ``module`` it is (it holds it among its submodules), or None; found once, through
     the objects that refer to ``model``."""
     engine = sys.modules.get("deepspeed.runtime.engine")  # not imported: none exists
-    if engine is None:
+    comm = sys.modules.get("deepspeed.comm")  # an engine initializes DeepSpeed's comm
+    if engine is None or comm is None or not comm.is_initialized():
         return None
     if isinstance(model, engine.DeepSpeedEngine):
         return model

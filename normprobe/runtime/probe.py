@@ -80,24 +80,21 @@ class Probe:
         # DeepSpeed ZeRO: its gradients and step are its own (a driver that counts steps itself
         # passes its optimizer as ``_zero_optimizer``): read when its step starts, before it
         # clips them, no step counted; an engine without ZeRO likewise (`Engine0`)
-        self._zero: Zero | Engine0 | None = Zero.of(
-            optimizer if optimizer is not None else _zero_optimizer
-        ) or Engine0.of(model)
-        if self._zero is not None:
-            if self._zero.partitioned:
-                warn_spikes(self._zero.stage, spikes)
-                spikes = None
-            _gradients_at = "step"
-        # Accelerate's AcceleratedOptimizer holds the GradScaler of fp16 training
-        self.scaler = scaler if scaler is not None else getattr(optimizer, "scaler", None)
-        if self.scaler is None and isinstance(self._zero, Engine0):
-            self.scaler = self._zero.scaler
+        zero = Zero.of(optimizer if optimizer is not None else _zero_optimizer)
+        self._zero: Zero | Engine0 | None = zero or Engine0.of(model)
+        if zero is not None:
+            warn_spikes(zero.stage, spikes)
+            spikes = None
+        _gradients_at = "step" if self._zero is not None else _gradients_at
+        # Accelerate's AcceleratedOptimizer holds the GradScaler of fp16 training (a stage-0
+        # DeepSpeed engine its torch.autocast one)
+        held = (scaler, getattr(optimizer, "scaler", None), getattr(self._zero, "scaler", None))
+        self.scaler = next((s for s in held if s is not None), None)
         self.optimizer = optimizer = unwrapped_optimizer(optimizer)
         self.sinks = list(sinks)
         self.every = every
         self.metrics = chosen(metrics)
-        if self._zero is None:
-            self.metrics = without_partitioned(model, self.metrics)
+        self.metrics = self.metrics if self._zero else without_partitioned(model, self.metrics)
         self.max_block_tags = max_block_tags
         self.step_count = start_step
         self.phase = _phase % every
@@ -113,8 +110,7 @@ class Probe:
         self._forwards = Forwards(persistent_hooks)
         self._spikes: SpikeWatch | None = None
         self._logged = self._is_logged(start_step)
-        self._validating = False
-        self._removed = False
+        self._validating = self._removed = False
         self._forward_count = self._steps_ended = 0  # for the warning when nothing was logged
         self._gradients_read = False  # this step's gradients were read before the step
         self._backward = (
