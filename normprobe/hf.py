@@ -23,7 +23,7 @@ from transformers.integrations.integration_utils import (
 )
 from transformers.trainer_callback import CallbackHandler
 
-from .common import MAX_BLOCK_TAGS, check_every
+from .common import MAX_BLOCK_TAGS, check_every, is_compiled
 from .metrics import chosen
 from .runtime import Probe
 from .runtime.spikes import DEFAULT_SPIKES, Spikes
@@ -71,7 +71,8 @@ class NormProbeCallback(TrainerCallback):
     ``max_grad_norm``; the fp16 loss scale they carry there is divided out with the GradScaler
     of the Trainer's optimizer. ``grad_norm_total`` is the Trainer's own logged ``grad_norm``;
     ``grad_clip_factor`` compares it with the total at ``on_pre_optimizer_step``, after
-    clipping.
+    clipping. Under a DeepSpeed config they are read when the engine's step (stage 0) or the
+    ZeRO optimizer's (stages 1-3) starts, inside Accelerate's backward, before DeepSpeed clips.
 
     The spike detector watches the loss the model returns (``outputs.loss``, what the Trainer
     trains on when the batch has labels; the Trainer hands callbacks no loss) and the gradient
@@ -133,6 +134,8 @@ class NormProbeCallback(TrainerCallback):
             max_block_tags=self.max_block_tags,
             start_step=state.global_step,
             spikes=self.spikes,
+            # compiled (TrainingArguments(torch_compile=True)): no hook added later
+            persistent_hooks=bool(args.torch_compile) or is_compiled(model),
             _zero_optimizer=kwargs.get("optimizer"),  # a DeepSpeed config's ZeRO optimizer
             scaler=scaler,
         )

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -20,6 +20,7 @@ from .metrics import chosen
 from .metrics.core.base import Reduce
 from .runtime import Probe, ProbeHook
 from .runtime.spikes import DEFAULT_SPIKES, Spikes
+from .runtime.zero import PARAMETER_FAMILIES
 from .sinks import Record, TensorBoardSink, check_log_dir
 
 DEFAULT_DIR = "normprobe_logs"
@@ -129,6 +130,30 @@ class NormProbe(Callback):
                 f"NormProbe was added {len(mine)} times to this Trainer; one logs every metric: "
                 "keep one in `callbacks=[...]`"
             )
+        if isinstance(trainer.strategy, DeepSpeedStrategy):
+            self._without_deepspeed_reads()
+
+    def _without_deepspeed_reads(self) -> None:
+        """Lightning's DeepSpeedStrategy (CUDA only, not tested): drop what reads the
+        parameters' gradients or weights, which DeepSpeed ZeRO keeps in its optimizer's
+        partitions, saying so by name."""
+        refused = [m for m in self.metrics if m in PARAMETER_FAMILIES]
+        if self.spikes is not None:
+            refused.append("spikes (the spike detector)")
+        if not refused:
+            return
+        self.metrics = tuple(m for m in self.metrics if m not in PARAMETER_FAMILIES)
+        self.spikes = None
+        warnings.warn(
+            f"NormProbe: under Lightning's DeepSpeedStrategy the gradients and fp32 weights live "
+            f"in DeepSpeed ZeRO's partitions, which this callback does not read: "
+            f"{', '.join(refused)} are not logged (the forward's statistics are). They are read "
+            "with the DeepSpeed engine in a plain loop, normprobe.attach(engine.module, "
+            "optimizer=engine.optimizer), or under the Hugging Face Trainer or Accelerate with a "
+            "DeepSpeed config",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._sinks = self._make_sinks(trainer) if trainer.is_global_zero else []

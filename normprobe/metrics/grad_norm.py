@@ -49,6 +49,10 @@ CLIPPED = 0.999
 # gradients at the optimizer step smaller by an exact power of two, at least this one, than at
 # the backward's end carried a loss scale (GradScaler starts at 2**16)
 SCALED = 16.0
+# smaller by at least this much, not a power of two: clipped that much, or clipped and scaled
+# by a GradScaler the probe did not see (one that gets there falls below 2**10 only after six
+# overflows in a row)
+UNSEEN_SCALE = 2.0**10
 # what torch.nn.utils.clip_grad_norm_ adds to the total it divides the max norm by
 CLIP_EPS = 1e-6
 
@@ -85,24 +89,27 @@ class GradNorm(Family):
         # the sampled total's squares before clipping and at the optimizer step
         stepped = plan.slot(2, plan.param_reduce)
         total = grads.total_weights()
-        sampled_before: list[torch.Tensor] = []
+        read = [False]  # this step's gradients were read
+        sampled_before: list[torch.Tensor] = []  # ... before clipping: a sample's total
         warned = [False]
 
-        def read() -> None:
-            sums = grads.group_sums()
-            squares = grads.squares
-            if sums is None or squares is None:
-                return
-            for stack, at in blocks.items():
-                plan.measured.put(slots[stack], sums[at])
-            plan.measured.put(whole, torch.stack([sums[-1], _total(squares, total)]))
-            # else the step sees the gradients `read` saw
+        def take() -> None:
+            read[0] = True
             sampled_before[:] = [grads.sampled_total()] if plan.clipping_visible else []
 
         def at_step() -> None:
-            if sampled_before:
-                plan.measured.put(stepped, torch.stack([sampled_before[0], grads.sampled_total()]))
-                sampled_before.clear()
+            # what `take` saw, put here: a loss scale found at the step is divided out by now
+            sums, squares = grads.group_sums(), grads.squares
+            if not read[0] or sums is None or squares is None:
+                return
+            read[0] = False
+            for stack, at in blocks.items():
+                plan.measured.put(slots[stack], sums[at])
+            plan.measured.put(whole, torch.stack([sums[-1], _total(squares, total)]))
+            if sampled_before:  # else the step sees the gradients `take` saw
+                before, late = sampled_before.pop(), plan.late_scale
+                before = before if late is None else before / late.to(before) ** 2
+                plan.measured.put(stepped, torch.stack([before, grads.sampled_total()]))
 
         def record(values: Values, out: Out) -> None:
             both = values.get(whole)
@@ -118,7 +125,7 @@ class GradNorm(Family):
                 if squares is not None:
                     _write_blocks(plan, out, stack, squares)
 
-        plan.on_gradients(read)
+        plan.on_gradients(take)
         plan.before_step(at_step)
         plan.on_record(record)
 
@@ -151,10 +158,11 @@ def _write_clip_factor(
         if before <= 0:
             return True
         factor = math.sqrt(after / before)
-        if _loss_scaled(factor):
-            if out.writes and not warned[0]:
-                warned[0] = True
-                _warn_scaled(out, factor)
+        scaled = _loss_scaled(factor)
+        if (scaled or factor <= 1 / UNSEEN_SCALE) and out.writes and not warned[0]:
+            warned[0] = True
+            _warn_scaled(out, factor, scaled)
+        if scaled:
             return False
     elif plan.clip_norm is not None:
         factor = plan.clip_norm / (math.sqrt(total_squares) + CLIP_EPS)
@@ -234,12 +242,22 @@ def _loss_scaled(factor: float) -> bool:
     return abs(power - round(power)) < 1e-4
 
 
-def _warn_scaled(out: Out, factor: float) -> None:
+def _warn_scaled(out: Out, factor: float, scaled: bool) -> None:
+    """Warn that the gradients read before the step may carry a loss scale: they do when
+    ``scaled`` (not written), else they may (written)."""
+    seen = f"{1 / factor:.4g}x those at the optimizer step"
+    why = (
+        f"{seen}, a power of two: a loss scale (fp16 GradScaler) normprobe does not know; "
+        "grad_norm is not written on such steps"
+        if scaled
+        else f"{seen}: clipped that much, or clipped and loss-scaled by a GradScaler that "
+        "normprobe did not see; grad_norm is written as read before clipping"
+    )
     warnings.warn(
-        f"normprobe: at step {out.step} the gradients at the end of the backward were "
-        f"{1 / factor:.0f}x those at the optimizer step, a power of two: a loss scale (fp16 "
-        "GradScaler) the probe does not know. grad_norm is not written on such steps; pass "
-        "the scaler: normprobe.attach(model, optimizer=opt, scaler=scaler)",
+        f"normprobe: at step {out.step} the gradients at the end of the backward were {why}. "
+        "normprobe finds a GradScaler when scaler.step(opt) steps the optimizer; one that "
+        "unscales and steps it otherwise must be passed: "
+        "normprobe.attach(model, optimizer=opt, scaler=scaler)",
         RuntimeWarning,
         stacklevel=2,
     )

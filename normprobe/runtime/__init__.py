@@ -77,7 +77,9 @@ def attach(
             norm is watched. Off under ``torch.distributed``.
         scaler: the ``torch.amp.GradScaler`` of fp16 training, whose loss scale the gradients
             carry at the end of the backward (divided out on the device); Accelerate's
-            optimizer hands over its own.
+            optimizer hands over its own, and one whose ``scaler.step(opt)`` steps the
+            optimizer is found there. Needed only when the scaler unscales and the optimizer
+            steps otherwise (a warning says so).
 
     Returns:
         A `Probe`, also a context manager; ``probe.remove()`` is idempotent.

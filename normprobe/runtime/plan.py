@@ -95,6 +95,7 @@ class ProbePlan:
         self.compiled = compiled
         self.measured = measured
         self.grad_scale: torch.Tensor | None = None
+        self.late_scale: torch.Tensor | None = None
         self.clipping_visible = False
         self.clip_norm: float | None = None
         self.capture_until = -1  # the last step a family asked to log (`capture`)

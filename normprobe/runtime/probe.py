@@ -20,10 +20,12 @@ from ..metrics.core.base import Reduce
 from ..metrics.core.params import OwnTensors
 from ..sinks import Record, Sink
 from .backward_end import BackwardEnd
+from .ds_engine import Engine0
 from .forward import Forwards
 from .hooks import OptimizerSteps, ProbeHook
 from .packing import read_back
 from .plan import ProbePlan
+from .scaler import loss_scale, stepping_scaler
 from .spikes import Spikes, SpikeWatch
 from .zero import Zero, ZeroSteps, warn_spikes, without_partitioned
 
@@ -41,8 +43,9 @@ class Probe:
     are logged like scheduled ones. Gradients are read where they are complete and before any
     clipping: at the end of each backward through the model's output (the step's last one
     counts; `normprobe.runtime.backward_end`), else just before the optimizer step; a
-    ``scaler`` (``torch.amp.GradScaler``; found on Accelerate's optimizer by itself) divides
-    out the loss scale they carry there. Drivers that count steps themselves (the Lightning and
+    ``scaler`` (``torch.amp.GradScaler``; found on Accelerate's optimizer, or when its
+    ``step`` steps the optimizer: `normprobe.runtime.scaler`) divides out the loss scale they
+    carry there. Drivers that count steps themselves (the Lightning and
     Hugging Face callbacks) call `begin_step`, `before_optimizer_step` and `end_step`, and pass
     what only they know as the underscored arguments: how ranks combine parameter statistics
     (``"sum"`` when each holds a shard), the step phase of their logging schedule, a prefix
@@ -76,20 +79,22 @@ class Probe:
         self.model = model
         # DeepSpeed ZeRO: its gradients and step are its own (a driver that counts steps itself
         # passes its optimizer as ``_zero_optimizer``): read when its step starts, before it
-        # clips them, no step counted
-        self._zero = Zero.of(optimizer if optimizer is not None else _zero_optimizer)
-        if self._zero is not None:
-            warn_spikes(self._zero.stage, spikes)
+        # clips them, no step counted; an engine without ZeRO likewise (`Engine0`)
+        zero = Zero.of(optimizer if optimizer is not None else _zero_optimizer)
+        self._zero: Zero | Engine0 | None = zero or Engine0.of(model)
+        if zero is not None:
+            warn_spikes(zero.stage, spikes)
             spikes = None
-            _gradients_at = "step"
-        # Accelerate's AcceleratedOptimizer holds the GradScaler of fp16 training
-        self.scaler = scaler if scaler is not None else getattr(optimizer, "scaler", None)
+        _gradients_at = "step" if self._zero is not None else _gradients_at
+        # Accelerate's AcceleratedOptimizer holds the GradScaler of fp16 training (a stage-0
+        # DeepSpeed engine its torch.autocast one)
+        held = (scaler, getattr(optimizer, "scaler", None), getattr(self._zero, "scaler", None))
+        self.scaler = next((s for s in held if s is not None), None)
         self.optimizer = optimizer = unwrapped_optimizer(optimizer)
         self.sinks = list(sinks)
         self.every = every
         self.metrics = chosen(metrics)
-        if self._zero is None:
-            self.metrics = without_partitioned(model, self.metrics)
+        self.metrics = self.metrics if self._zero else without_partitioned(model, self.metrics)
         self.max_block_tags = max_block_tags
         self.step_count = start_step
         self.phase = _phase % every
@@ -105,8 +110,7 @@ class Probe:
         self._forwards = Forwards(persistent_hooks)
         self._spikes: SpikeWatch | None = None
         self._logged = self._is_logged(start_step)
-        self._validating = False
-        self._removed = False
+        self._validating = self._removed = False
         self._forward_count = self._steps_ended = 0  # for the warning when nothing was logged
         self._gradients_read = False  # this step's gradients were read before the step
         self._backward = (
@@ -142,8 +146,10 @@ class Probe:
         self._install(model_map)
 
     def discover_lazily(self) -> None:
-        """Map the model on its first real forward, then record that forward already."""
+        """Map the model on its first real forward, then record that forward already (outside
+        ``torch.compile``'s tracing of it, if compiled)."""
 
+        @torch.compiler.disable  # type: ignore[untyped-decorator]
         def first(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self._discovery_hook.remove()
             self.discover_now(*args, **kwargs)
@@ -244,7 +250,7 @@ class Probe:
         if not self._reads_gradients():
             return
         self._gradients_read = True
-        scale = _loss_scale(self.scaler)
+        scale = loss_scale(self.scaler, self.optimizer, at_step)
         if self._spikes is not None:
             self._spikes.detector.measure(scale)
         if self._logged and self._plan is not None:
@@ -259,12 +265,27 @@ class Probe:
         """Read the gradients unless a backward's end read them (no backward through the
         model's output); read the gains, and keep what the update ratio compares against;
         check the step for a spike."""
+        late = self._scaler_found()
         if not self._gradients_read:
             self.gradients_complete(at_step=True)
         if self._spikes is not None:
+            if late is not None:
+                self._spikes.detector.unscale(late)
             self._spikes.detector.watch(self.step_count)
         if self._logged and self._plan is not None:
-            self._plan.run("before_step")
+            self._plan.late_scale = late
+            try:
+                self._plan.run("before_step")
+            finally:
+                self._plan.late_scale = None
+
+    def _scaler_found(self) -> torch.Tensor | None:
+        """Take a GradScaler that steps the optimizer (`stepping_scaler`) when none was handed
+        over; the scale that the gradients read at this step's backward end carry, if they were."""
+        if self.scaler is not None or self._zero is not None or not self._reads_gradients():
+            return None
+        self.scaler = stepping_scaler()
+        return loss_scale(self.scaler, None, False) if self._gradients_read else None
 
     @property
     def reads_zero_step(self) -> bool:
@@ -401,14 +422,6 @@ def _warn_no_step(model: nn.Module, forwards: int, has_optimizer: bool) -> None:
         RuntimeWarning,
         stacklevel=3,  # the caller of remove()
     )
-
-
-def _loss_scale(scaler: Any) -> torch.Tensor | None:
-    """The scale a GradScaler multiplies the loss by, on the device (no host sync), or None."""
-    if scaler is None or not scaler.is_enabled():
-        return None
-    scale: torch.Tensor | None = getattr(scaler, "_scale", None)  # None before its first scale()
-    return scale
 
 
 def unwrapped_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:

@@ -198,6 +198,13 @@ class SpikeDetector:
             torch.sqrt(self._sums, out=self._x[1:])
         self._measured = True
 
+    def unscale(self, scale: torch.Tensor) -> None:
+        """Divide a loss scale found only at the step out of the gradient norms `measure`d."""
+        if self._measured:
+            with torch.no_grad():
+                self._sums.div_(scale.to(self._sums.device) ** 2)
+                torch.sqrt(self._sums, out=self._x[1:])
+
     def watch(self, step: int) -> None:
         """Check step ``step``'s loss and gradient norms (`measure`d now unless they were since
         the last check) against their history and send the verdict to the host."""

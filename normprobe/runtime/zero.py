@@ -193,7 +193,7 @@ def warn_spikes(stage: int, spikes: Spikes | None) -> None:
 
 class ZeroSteps:
     """Calls ``before`` when the ZeRO optimizer's step starts and ``after`` (if any) when it
-    returns.
+    returns (``method``: another of ``optimizer``'s methods, a stage-0 engine's step).
 
     A ZeRO optimizer is no ``torch.optim.Optimizer`` and has no step hooks, and the torch
     optimizer inside it steps after the gradients are clipped: its ``step`` is wrapped on the
@@ -202,11 +202,16 @@ class ZeroSteps:
     """
 
     def __init__(
-        self, optimizer: Any, before: Callable[[], None], after: Callable[[], None] | None
+        self,
+        optimizer: Any,
+        before: Callable[[], None],
+        after: Callable[[], None] | None,
+        method: str = "step",
     ) -> None:
         self.optimizer = optimizer
+        self.method = method
         self.active = True
-        inner = optimizer.step
+        inner = getattr(optimizer, method)
 
         def step(*args: Any, **kwargs: Any) -> Any:
             if self.active:
@@ -217,7 +222,7 @@ class ZeroSteps:
             return out
 
         self._step = step
-        optimizer.step = step
+        setattr(optimizer, method, step)
         self.handles = [self]
 
     def forward_started(self) -> None:
@@ -225,5 +230,5 @@ class ZeroSteps:
 
     def remove(self) -> None:
         self.active = False
-        if vars(self.optimizer).get("step") is self._step:
-            del self.optimizer.step
+        if vars(self.optimizer).get(self.method) is self._step:
+            delattr(self.optimizer, self.method)

@@ -1,7 +1,9 @@
 """NormProbe on DeepSpeed ZeRO: two CPU processes over gloo, run by tests/helpers/deepspeed_train.py
-(the plain engine) and tests/helpers/deepspeed_hf_train.py (a Hugging Face Trainer).
+(the plain engine) and tests/helpers/deepspeed_hf_train.py (a Hugging Face Trainer, and a loop
+with Accelerate's DeepSpeed plugin).
 
-Stages 1 to 3 against stage 0 (same weights, same batches), two micro-batches a step and
+Stages 0 to 3 against stage 0's witness (same weights, same batches; stage 0 all-reduces the
+gradients after the backward, where the probe must not read them), two micro-batches a step and
 ``gradient_clipping`` far below the gradients' norm: the logged per-block gradient norms are
 those of the whole gradients before clipping (values clipped would be 10x smaller), and the
 weight statistics those of the whole weights, although each rank holds a part of them.
@@ -29,7 +31,9 @@ from normprobe.runtime.spikes import DEFAULT_SPIKES
 from normprobe.runtime.zero import warn_spikes
 
 SCRIPT = Path(__file__).parents[1] / "helpers" / "deepspeed_train.py"
-STAGES = ("1", "2", "3")
+STAGES = ("0", "1", "2", "3")  # 0: a DeepSpeed engine without ZeRO, the reference
+ZERO = STAGES[1:]
+ACCELERATED = ("0", "3")  # Accelerate's plugin: the engine as the model; ZeRO-3's parameters
 LOGGED = ["0", "2"]  # of steps 0 to 2, every 2
 CLIP = 0.05  # the script's gradient_clipping
 
@@ -69,7 +73,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Ranks:
 @pytest.mark.subprocess
 @pytest.mark.distributed
 def test_the_stages_are_zero_optimizers(ranks: Ranks) -> None:
-    names = {stage: ranks[0][stage]["optimizer"] for stage in ("0", *STAGES)}
+    names = {stage: ranks[0][stage]["optimizer"] for stage in STAGES}
     assert names == {
         "0": "AdamW",
         "1": "DeepSpeedZeroOptimizer",
@@ -122,7 +126,7 @@ def test_one_collective_per_logged_step_and_hooks_removed(ranks: Ranks, stage: s
 
 @pytest.mark.subprocess
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", ZERO)
 def test_without_the_zero_optimizer_the_parameter_families_are_refused(
     ranks: Ranks, stage: str
 ) -> None:
@@ -133,14 +137,17 @@ def test_without_the_zero_optimizer_the_parameter_families_are_refused(
     assert "optimizer=engine.optimizer" in message
     assert ("stage 3" in message) == (stage == "3")
     assert ranks[1][stage]["unpaired"] == [["resid_rms"], []]  # rank 0 says it
+    # without ZeRO the engine is found: its gradients are whole in each parameter's .grad
+    metrics, warned = ranks[0]["0"]["unpaired"]
+    assert {"grad_norm", "weight_rms", "update_ratio", "norm_gain"} <= set(metrics)
+    assert not warned
 
 
-@pytest.mark.slow
-@pytest.mark.subprocess
-@pytest.mark.distributed
-def test_hf_trainer_with_a_zero_3_config_logs_gradients_before_clipping(tmp_path: Path) -> None:
-    """The Trainer runs DeepSpeed's step inside Accelerate's backward, before it calls any
-    callback: the callback reads the gradients when the ZeRO optimizer's step starts."""
+@pytest.fixture(scope="module")
+def wrapped(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One launch: a Hugging Face Trainer with a DeepSpeed config of each stage, then a loop
+    with Accelerate's DeepSpeed plugin of each of ACCELERATED (its runs under 10 + stage)."""
+    out = tmp_path_factory.mktemp("deepspeed_hf")
     script = SCRIPT.with_name("deepspeed_hf_train.py")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -149,8 +156,8 @@ def test_hf_trainer_with_a_zero_3_config_logs_gradients_before_clipping(tmp_path
     env = {**os.environ, "PYTHONPATH": path, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path)],
-            cwd=tmp_path,
+            [sys.executable, str(script), str(out), ",".join(STAGES), ",".join(ACCELERATED)],
+            cwd=out,
             env={
                 **env,
                 "RANK": str(r),
@@ -172,15 +179,58 @@ def test_hf_trainer_with_a_zero_3_config_logs_gradients_before_clipping(tmp_path
                 p.kill()
             raise
         assert proc.returncode == 0, f"rank {rank}:\n{log[-3000:]}"
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert seen[0]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
-    assert seen[0]["logged"] == seen[1]["logged"]
-    assert sorted(seen[0]["logged"]) == ["1", "2", "3"]
-    for step, logged in seen[0]["logged"].items():
-        assert logged == pytest.approx(seen[0]["grads"][step], rel=1e-5)
-        # the Trainer's own total, before clipping: the blocks' part of it, 20x the clip
-        total = seen[0]["totals"][step]
-        assert total > 20 * 0.05 and total >= math.sqrt(sum(v * v for v in logged))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+OPTIMIZERS = {
+    "0": "AdamW",
+    "1": "DeepSpeedZeroOptimizer",
+    "2": "DeepSpeedZeroOptimizer",
+    "3": "DeepSpeedZeroOptimizer_Stage3",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
+def test_hf_trainer_with_zero_stages_0_to_3_logs_gradients_before_clipping(
+    wrapped: list[dict[str, Any]],
+) -> None:
+    """The Trainer runs DeepSpeed's step inside Accelerate's backward, before it calls any
+    callback: the callback reads the gradients when the engine's step (stage 0) or the ZeRO
+    optimizer's starts."""
+    reference = wrapped[0]["0"]["grads"]
+    for stage in STAGES:
+        run = wrapped[0][stage]
+        assert run["optimizer"] == OPTIMIZERS[stage]
+        assert run["logged"] == wrapped[1][stage]["logged"]
+        assert sorted(run["logged"]) == ["1", "2"]
+        for step, logged in run["logged"].items():
+            assert logged == pytest.approx(run["grads"][step], rel=1e-5)
+            assert logged == pytest.approx(reference[step], rel=1e-5)
+            # the Trainer's own total (none at stage 0), before clipping: 20x the clip
+            total = run["totals"].get(step, math.inf)
+            assert total > 20 * 0.05 and total >= math.sqrt(sum(v * v for v in logged))
+        assert (stage == "0") == (not run["totals"])
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.distributed
+def test_accelerate_deepspeed_plugin_logs_gradients_before_clipping(
+    wrapped: list[dict[str, Any]],
+) -> None:
+    """``attach(model, opt)`` with what ``accelerator.prepare`` returned: the engine itself
+    (stage 0: its step is found) and Accelerate's optimizer (the ZeRO optimizer behind it)."""
+    reference = wrapped[0]["10"]["grads"]
+    for stage in ACCELERATED:
+        run = wrapped[0][f"1{stage}"]
+        assert run["optimizer"] == OPTIMIZERS[stage]
+        assert sorted(run["logged"]) == ["0", "1"] == sorted(run["grads"])
+        for step, logged in run["logged"].items():
+            assert sum(v * v for v in logged) > (10 * 0.05) ** 2  # clipped by 10x or more
+            assert logged == pytest.approx(run["grads"][step], rel=1e-5)
+            assert logged == pytest.approx(reference[step], rel=1e-5)
 
 
 def test_deepspeed_optimizers_without_zero_are_refused_by_name() -> None:

@@ -188,3 +188,29 @@ def test_bf16_mixed_statistics_and_gradients(tmp_path: Path) -> None:
     assert events.scalars[tags.format("nonfinite", "modules")][-1][1] == 0
     logged = [v for _, v in events.scalars[tags.format("grad_norm", "model.blocks", 0)]]
     assert logged == pytest.approx([n[0] for n in spy.norms], rel=1e-4)
+
+
+def test_deepspeed_strategy_is_said_to_read_no_gradients() -> None:
+    """Lightning's DeepSpeedStrategy runs on CUDA alone (Lightning says so at fit); where it
+    runs, the callback drops the families that read ZeRO's partitioned tensors, by name."""
+    pytest.importorskip("deepspeed")
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=DeepSpeedStrategy(stage=2),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    callback = normprobe.NormProbe()
+    with pytest.warns(RuntimeWarning, match=r"DeepSpeedStrategy") as caught:
+        callback.setup(trainer, L.LightningModule(), "fit")
+    message = str(caught[0].message)
+    assert "grad_norm, update_ratio, weight_rms, norm_gain, spikes" in message
+    assert "normprobe.attach(engine.module, optimizer=engine.optimizer)" in message
+    assert not set(callback.metrics) & {"grad_norm", "weight_rms", "update_ratio", "norm_gain"}
+    assert callback.spikes is None and "resid_rms" in callback.metrics
+    with pytest.raises(RuntimeError, match="only supported on CUDA GPUs"):
+        trainer.strategy.setup_environment()

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 import normprobe
 from normprobe import report as rp
 from normprobe import tags
+from normprobe.common import is_compiled
 from normprobe.models import MLPStack, TinyTransformer
 
 
@@ -65,18 +66,53 @@ def test_a_grad_scaler_handed_over_is_divided_out() -> None:
     check_clipped(records, hand, totals, 3)
 
 
-def test_an_unknown_grad_scaler_is_warned_not_logged() -> None:
+def test_a_grad_scaler_not_handed_over_is_found_at_its_step() -> None:
+    """Step 0 is read at the backward's end before the scaler is known: divided at the step."""
     torch.manual_seed(0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
-    with pytest.warns(RuntimeWarning, match=r"4096x.*scaler=scaler"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        records, hand, totals = clipped_loop(
+            MLPStack(depth=3, width=16), batches(3), scaler=scaler, hand_scaler=False
+        )
+    check_clipped(records, hand, totals, 3)
+
+
+def test_a_grad_scaler_not_handed_over_without_clipping() -> None:
+    torch.manual_seed(0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    records, hand, _ = clipped_loop(
+        MLPStack(depth=3, width=16), batches(2), scaler=scaler, hand_scaler=False, max_norm=math.inf
+    )
+    for record, expected in zip(records, hand, strict=True):
+        assert logged(record, "blocks", 3) == pytest.approx(expected, rel=1e-5)
+        assert record.scalars[CLIP] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_a_grad_scaler_stepping_unseen_is_warned_not_logged() -> None:
+    """Unscaled by hand and stepped by ``opt.step()``: no scaler to find. Unclipped, the
+    power of two shows (nothing written); clipped too, the warning says which it may be."""
+    torch.manual_seed(0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    with pytest.warns(RuntimeWarning, match=r"4096x.*a power of two.*scaler=scaler"):
         records, _, _ = clipped_loop(
             MLPStack(depth=3, width=16),
             batches(2),
             scaler=scaler,
             hand_scaler=False,
-            max_norm=math.inf,  # not clipped: a clipped total hides the power of two
+            own_step=True,
+            max_norm=math.inf,
         )
     assert records and not any(k.startswith("normprobe/grad_") for r in records for k in r.scalars)
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match=r"clipped and loss-scaled.*scaler=scaler"):
+        clipped_loop(
+            MLPStack(depth=3, width=16),
+            batches(1),
+            scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12),
+            hand_scaler=False,
+            own_step=True,
+        )
 
 
 def test_gradients_set_by_hand_are_read_at_the_step() -> None:
@@ -96,11 +132,23 @@ def test_gradients_set_by_hand_are_read_at_the_step() -> None:
     assert CLIP not in record.scalars  # read at the step: clipping cannot be told apart
 
 
-def test_parametrized_model() -> None:
-    class Symmetric(nn.Module):
-        def forward(self, w: torch.Tensor) -> torch.Tensor:
-            return w.triu() + w.triu(1).transpose(0, 1)
+class Regress(nn.Module):
+    """A model the Hugging Face Trainer trains: its output carries the loss."""
 
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": (self.model(x) ** 2).mean() * 50}
+
+
+class Symmetric(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.triu() + w.triu(1).transpose(0, 1)
+
+
+def test_parametrized_model() -> None:
     torch.manual_seed(0)
     model = MLPStack(depth=3, width=16, hidden_mult=1)
     for block in model.blocks:
@@ -138,6 +186,32 @@ def test_spike_capped_by_clipping_is_seen() -> None:
         probe.remove()
     spikes = [r.step for r in sink.records if tags.format("spike", "grad_z") in r.scalars]
     assert spikes == [25]
+
+
+def test_spike_detector_takes_the_scale_found_at_the_step() -> None:
+    """Step 0's norm, read at the backward's end before the scaler is known, is divided too:
+    left 4096x, it would hide the spike at step 8 among 8 steps of history."""
+    torch.manual_seed(0)
+    model = MLPStack(depth=2, width=8)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    sink = normprobe.MemorySink()
+    x = torch.randn(8, 8)
+    probe = normprobe.attach(
+        model, opt, sinks=[sink], every=1000, spikes=normprobe.Spikes(window=8)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step in range(10):
+            scaler.scale((model(x) ** 2).mean().mul(1000 if step == 8 else 1)).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        probe.remove()
+    spikes = [r.step for r in sink.records if tags.format("spike", "grad_z") in r.scalars]
+    assert spikes == [8]
 
 
 def test_accelerate_clip_grad_norm() -> None:
@@ -211,6 +285,67 @@ def test_hf_trainer_total_is_its_own_grad_norm(tmp_path: Path) -> None:
         assert dict(scalars[CLIP])[step] == pytest.approx(0.25 / total, rel=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapped", ["parametrized", "compiled"])
+def test_hf_trainer_parametrized_or_compiled(tmp_path: Path, wrapped: str) -> None:
+    """Each block's norm where the Trainer is about to clip (its accelerator's
+    ``clip_grad_norm_``, watched) is the one logged, two micro-batches a step."""
+    pytest.importorskip("transformers")
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from normprobe.hf import NormProbeCallback
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    inner = MLPStack(depth=3, width=16, hidden_mult=1)
+    if wrapped == "parametrized":
+        for block in inner.blocks:
+            nn.utils.parametrize.register_parametrization(block.mlp.fc, "weight", Symmetric())
+    model = Regress(inner)
+    compiled = {"torch_compile": True, "torch_compile_backend": "eager"}
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=0.05,
+        max_grad_norm=MAX_NORM,
+        report_to=["tensorboard"],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        **(compiled if wrapped == "compiled" else {}),
+    )
+    probe = NormProbeCallback(metrics=["grad_norm"], spikes=None)
+    records: list[normprobe.Record] = []
+
+    class Latest(TrainerCallback):
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            assert probe.latest is not None
+            records.append(probe.latest)
+
+    data = [{"x": torch.randn(16)} for _ in range(16)]
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[probe, Latest()])
+    hand, totals = [], []
+    clip = trainer.accelerator.clip_grad_norm_
+
+    def watched(params: Any, max_norm: float, *a: Any, **k: Any) -> torch.Tensor:
+        hand.append(norms(inner.blocks, model))
+        total = clip(params, max_norm, *a, **k)
+        totals.append(float(total))
+        return total
+
+    trainer.accelerator.clip_grad_norm_ = watched  # type: ignore[method-assign]
+    try:
+        trainer.train()
+    finally:  # the shared state keeps the dynamo backend: later Accelerators would compile
+        AcceleratorState._reset_state()
+    assert wrapped != "compiled" or is_compiled(trainer.model_wrapped)
+    check_clipped(records, hand, totals, 3, stack="model.blocks")
+
+
 class ClipSpy(Callback):
     """Each block's gradient norm where Lightning is about to clip, and after it clipped (at
     the end of the batch, before the next step zeroes them)."""
@@ -280,7 +415,10 @@ def test_report_notes_a_run_clipped_on_most_steps(tmp_path: Path) -> None:
     model = MLPStack(depth=2, width=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(8, 8)
-    with normprobe.attach(model, opt, log_dir=str(tmp_path), every=2, spikes=None):
+    with (
+        pytest.warns(RuntimeWarning, match="6777x .* clipped that much"),
+        normprobe.attach(model, opt, log_dir=str(tmp_path), every=2, spikes=None),
+    ):
         for _ in range(8):
             (model(x) ** 2).mean().mul(100).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)

@@ -51,11 +51,14 @@ def clipped_loop(
     forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     scaler: torch.amp.GradScaler | None = None,
     hand_scaler: bool = True,
+    own_step: bool = False,
     persistent: bool = False,
     max_norm: float = MAX_NORM,
 ) -> tuple[list[normprobe.Record], list[dict[str, float]], list[float]]:
-    """Train with SGD, clipping to MAX_NORM, ``accumulate`` micro-batches a step; the probe's
-    records, the hand norms before clipping and the totals ``clip_grad_norm_`` returned."""
+    """Train with SGD, clipping to ``max_norm``, ``accumulate`` micro-batches a step; the probe's
+    records, the hand norms before clipping and the totals ``clip_grad_norm_`` returned. With a
+    ``scaler`` (handed to the probe if ``hand_scaler``), its ``scaler.step(opt)`` steps, or
+    ``opt.step()`` after its ``unscale_`` with ``own_step``."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sink = normprobe.MemorySink()
     probe = normprobe.Probe(
@@ -78,10 +81,11 @@ def clipped_loop(
             scaler.unscale_(opt)
         hand.append(norms(model.blocks, model))
         totals.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        if scaler is None:
+        if scaler is None or own_step:
             opt.step()
         else:
             scaler.step(opt)
+        if scaler is not None:
             scaler.update()
         opt.zero_grad()
     probe.remove()
@@ -94,15 +98,17 @@ def batches(n: int, rows: int = 8, width: int = 16) -> list[torch.Tensor]:
 
 
 def check_clipped(
-    records: list[normprobe.Record], hand: list[dict[str, float]], totals: list[float], depth: int
+    records: list[normprobe.Record],
+    hand: list[dict[str, float]],
+    totals: list[float],
+    depth: int,
+    stack: str = "blocks",
 ) -> None:
     assert len(records) == len(hand) > 0
     for record, expected, total in zip(records, hand, totals, strict=True):
         assert total > 2 * MAX_NORM  # clipped: values smaller by the clip factor fail
-        assert logged(record, "blocks", depth) == pytest.approx(expected, rel=1e-5)
+        assert logged(record, stack, depth) == pytest.approx(expected, rel=1e-5)
         assert record.scalars[TOTAL] == pytest.approx(total, rel=1e-5)
-        blocks = sum(
-            record.scalars[tags.format("grad_norm", "blocks", b)] ** 2 for b in range(depth)
-        )
+        blocks = sum(record.scalars[tags.format("grad_norm", stack, b)] ** 2 for b in range(depth))
         assert blocks + record.scalars[REST] ** 2 == pytest.approx(record.scalars[TOTAL] ** 2)
         assert record.scalars[CLIP] == pytest.approx(MAX_NORM / total, rel=1e-4)

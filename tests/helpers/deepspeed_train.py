@@ -5,8 +5,8 @@ tests/adapters/test_deepspeed.py.
 
 Each rank trains the same TinyTransformer (same seed, same batches) four times: with ZeRO
 stages 0 to 3, each with two micro-batches per step and ``gradient_clipping`` far below the
-gradients' norm. Stage 0 is the reference, without a probe; stages 1 to 3 carry one
-(``attach(engine.module, engine.optimizer)``). The witness reads the whole tensors with
+gradients' norm. Each carries a probe (``attach(engine.module, engine.optimizer)``); stage 0's
+witness is the reference. The witness reads the whole tensors with
 DeepSpeed's own accessors (``safe_get_full_grad``: before the step, before any clipping) and
 counts the collectives normprobe issues on each step. Each rank writes rank<r>.json.
 """
@@ -110,13 +110,11 @@ def train(stage: int, rank: int, counter: Collectives) -> dict[str, Any]:
     )
     net = engine.module
     sink = MemorySink()
-    probe = None
-    if stage > 0:
-        example = (torch.zeros(2, 16, dtype=torch.long),)  # mapped now, not in a counted step
-        probe = normprobe.attach(
-            net, engine.optimizer, sinks=[sink], every=EVERY, metrics=METRICS,
-            example_inputs=example,
-        )  # fmt: skip
+    example = (torch.zeros(2, 16, dtype=torch.long),)  # mapped now, not in a counted step
+    probe = normprobe.attach(
+        net, engine.optimizer, sinks=[sink], every=EVERY, metrics=METRICS,
+        example_inputs=example,
+    )  # fmt: skip
     seen: dict[str, Any] = {"grads": {}, "weights": {}, "updates": {}, "gains": {}}
     seen.update(collectives={}, totals={}, logged={})
     gen = torch.Generator().manual_seed(rank)
@@ -140,7 +138,7 @@ def train(stage: int, rank: int, counter: Collectives) -> dict[str, Any]:
             )
             for b, old in zip(net.blocks, before, strict=True)
         ]
-        if probe is not None and probe.latest is not None and probe.latest.step == step:
+        if probe.latest is not None and probe.latest.step == step:
             record = probe.latest
             seen["logged"][step] = (
                 {
@@ -156,23 +154,23 @@ def train(stage: int, rank: int, counter: Collectives) -> dict[str, Any]:
                 }
                 | {"resid_rms": record.profiles[tags.format("resid_rms", "blocks")]}
             )
-    if probe is not None:
-        probe.remove()
-        seen["sinks"] = len(sink.records)
-        seen["left"] = {
-            "step_wrapped": "step" in vars(engine.optimizer),
-            "hooks": sum(
-                isinstance(h, ProbeHook)
-                for m in net.modules()
-                for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())
-            ),
-        }
-        # without the ZeRO optimizer, the parameter families are refused, by name
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            probe = normprobe.attach(net, sinks=[MemorySink()], metrics=METRICS)
-        seen["unpaired"] = [list(probe.metrics), [str(w.message) for w in caught]]
-        probe.remove()
+    probe.remove()
+    seen["sinks"] = len(sink.records)
+    seen["left"] = {
+        "step_wrapped": "step" in vars(engine.optimizer) or "_take_model_step" in vars(engine),
+        "hooks": sum(
+            isinstance(h, ProbeHook)
+            for m in net.modules()
+            for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())
+        ),
+    }
+    # without the ZeRO optimizer, the parameter families are refused, by name (stage 0: the
+    # engine is found, nothing refused)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe = normprobe.attach(net, sinks=[MemorySink()], metrics=METRICS)
+    seen["unpaired"] = [list(probe.metrics), [str(w.message) for w in caught]]
+    probe.remove()
     seen["optimizer"] = type(engine.optimizer).__name__
     engine.destroy()
     return seen

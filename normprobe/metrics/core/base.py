@@ -117,6 +117,10 @@ class Plan(Protocol):
     # while `on_gradients` callbacks run: the loss scale the gradients carry (a GradScaler's,
     # on the device), else None
     grad_scale: torch.Tensor | None
+    # while `before_step` callbacks run: a loss scale the gradients read by this step's
+    # `on_gradients` callbacks still carried, found only at the step (a GradScaler stepping the
+    # optimizer that was not handed to attach), else None
+    late_scale: torch.Tensor | None
     # the `on_gradients` callbacks of this step read the gradients before any clipping and
     # `before_step` ones see them after it (False: both see the same gradients)
     clipping_visible: bool

@@ -19,7 +19,8 @@ CLIP_SAMPLE = 4096
 class GradSquares:
     """The parameters of `BlockParams` (block by block), then every other trainable parameter
     (`rest`); `squares` holds the last logged step's squared gradient norms in that order
-    (the loss scale divided out), or None before. Get it with ``GradSquares.of(plan)``.
+    (the loss scale divided out; by the step's `before_step` callbacks, one found only there),
+    or None before. Get it with ``GradSquares.of(plan)``.
     """
 
     def __init__(self, plan: Plan) -> None:
@@ -44,6 +45,7 @@ class GradSquares:
         def make() -> GradSquares:
             squares = GradSquares(plan)
             plan.on_gradients(squares.take)
+            plan.before_step(squares.unscale_late)
             return squares
 
         made: GradSquares = plan.shared("grad_squares", make)
@@ -103,6 +105,12 @@ class GradSquares:
         squares = self.squared_norms()
         scale = self._plan.grad_scale
         self.squares = squares if scale is None else squares / scale.to(squares) ** 2
+
+    def unscale_late(self) -> None:
+        """Divide a loss scale found at the step (`Plan.late_scale`) out of `squares`."""
+        scale = self._plan.late_scale
+        if scale is not None and self.squares is not None:
+            self.squares = self.squares / scale.to(self.squares) ** 2
 
     def group_sums(self) -> torch.Tensor | None:
         """Each block's sum of squares, then the rest's, of the last `take`."""
