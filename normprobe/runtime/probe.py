@@ -13,12 +13,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import tags
-from ..common import EVERY, MAX_BLOCK_TAGS, check_every, is_writer
+from ..common import EVERY, MAX_BLOCK_TAGS, check_every, is_writer, world_size
 from ..discovery import DiscoveryWarning, ModelMap, discover
 from ..metrics import DEFAULTS, METRICS, chosen, family
 from ..metrics.core.base import Reduce
 from ..metrics.core.params import OwnTensors
 from ..sinks import Record, Sink
+from . import layouts
 from .backward_end import BackwardEnd
 from .forward import Forwards
 from .hooks import OptimizerSteps, ProbeHook
@@ -73,6 +74,7 @@ class Probe:
         _clip_norm: float | None = None,
     ) -> None:
         _check_arguments(model, every, max_block_tags)
+        layouts.refuse_pipeline_stage(model)
         self.model = model
         # DeepSpeed ZeRO: its gradients and step are its own (a driver that counts steps itself
         # passes its optimizer as ``_zero_optimizer``): read when its step starts, before it
@@ -87,9 +89,7 @@ class Probe:
         self.optimizer = optimizer = unwrapped_optimizer(optimizer)
         self.sinks = list(sinks)
         self.every = every
-        self.metrics = chosen(metrics)
-        if self._zero is None:
-            self.metrics = without_partitioned(model, self.metrics)
+        self.metrics = self._chosen(metrics)
         self.max_block_tags = max_block_tags
         self.step_count = start_step
         self.phase = _phase % every
@@ -109,6 +109,7 @@ class Probe:
         self._removed = False
         self._forward_count = self._steps_ended = 0  # for the warning when nothing was logged
         self._gradients_read = False  # this step's gradients were read before the step
+        self._ranks_checked = False  # that every rank probes the same blocks
         self._backward = (
             BackwardEnd(model, self.gradients_complete, persistent_hooks)
             if _gradients_at == "backward"
@@ -116,6 +117,15 @@ class Probe:
         )
         self._handles: list[RemovableHandle | ZeroSteps] = []
         self._hook_steps(optimizer)
+
+    def _chosen(self, metrics: Iterable[str] | None) -> tuple[str, ...]:
+        """The families to read: ``metrics`` (None: the defaults) less those the model's layout
+        keeps from being read: tensor parallelism's (refused by name, `layouts.checked`) and,
+        without a ZeRO optimizer to read them from, DeepSpeed's partitioned parameters'."""
+        self._tensor_parallel = layouts.tensor_parallel(self.model)
+        self._explicit = metrics is not None
+        kept = layouts.checked(self.model, chosen(metrics), self._explicit, self._tensor_parallel)
+        return kept if self._zero is not None else without_partitioned(self.model, kept)
 
     def _hook_steps(self, optimizer: torch.optim.Optimizer | None) -> None:
         """The root's hooks (each forward; the output's gradient, for the end of the backward)
@@ -146,6 +156,7 @@ class Probe:
 
         def first(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self._discovery_hook.remove()
+            layouts.refuse_pipeline_call()
             self.discover_now(*args, **kwargs)
             self.start_forward()
 
@@ -155,6 +166,10 @@ class Probe:
         self._handles.append(self._discovery_hook)
 
     def _install(self, model_map: ModelMap) -> None:
+        if self._tensor_parallel is not None:  # a parallelized head: its logits are split
+            why = layouts.parallelized_head(self.model, model_map.head)
+            refused = None if why is None else {"logits": f"tensor parallelism: {why}"}
+            self.metrics = layouts.checked(self.model, self.metrics, self._explicit, refused)
         plan = self._forwards.install(
             self.model,
             model_map,
@@ -187,6 +202,8 @@ class Probe:
 
     def _root_pre(self, *_: Any) -> None:
         self._forward_count += 1
+        if self._forward_count == 1:
+            layouts.refuse_pipeline_call()
         if self.optimizer is not None:
             self._steps.forward_started()
         self.start_forward()
@@ -329,6 +346,9 @@ class Probe:
             return
         plan.run("flush", validation)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        if not self._ranks_checked and world_size() > 1 and layouts.PIPELINING in sys.modules:
+            layouts.same_blocks_everywhere(plan.modules_in_order, device)
+        self._ranks_checked = True
         values = read_back(self._forwards.measured, plan.layout, device, validation)
         self._forwards.clear()
         if values is None:
