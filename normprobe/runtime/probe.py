@@ -19,7 +19,7 @@ from ..metrics import DEFAULTS, METRICS, chosen, family
 from ..metrics.core.base import Reduce
 from ..metrics.core.params import OwnTensors
 from ..sinks import Record, Sink
-from . import layouts
+from . import pipeline, tensor_parallel
 from .backward_end import BackwardEnd
 from .forward import Forwards
 from .hooks import OptimizerSteps, ProbeHook
@@ -74,7 +74,7 @@ class Probe:
         _clip_norm: float | None = None,
     ) -> None:
         _check_arguments(model, every, max_block_tags)
-        layouts.refuse_pipeline_stage(model)
+        pipeline.refuse_stage(model)
         self.model = model
         # DeepSpeed ZeRO: its gradients and step are its own (a driver that counts steps itself
         # passes its optimizer as ``_zero_optimizer``): read when its step starts, before it
@@ -120,11 +120,14 @@ class Probe:
 
     def _chosen(self, metrics: Iterable[str] | None) -> tuple[str, ...]:
         """The families to read: ``metrics`` (None: the defaults) less those the model's layout
-        keeps from being read: tensor parallelism's (refused by name, `layouts.checked`) and,
+        keeps from being read: tensor parallelism's (refused by name) and,
         without a ZeRO optimizer to read them from, DeepSpeed's partitioned parameters'."""
-        self._tensor_parallel = layouts.tensor_parallel(self.model)
+        self._tensor_parallel = tensor_parallel.layout(self.model)
         self._explicit = metrics is not None
-        kept = layouts.checked(self.model, chosen(metrics), self._explicit, self._tensor_parallel)
+        kept = chosen(metrics)
+        if self._tensor_parallel is not None:
+            refused = tensor_parallel.refused_at_attach(self.model, self._tensor_parallel)
+            kept = tensor_parallel.checked(self.model, kept, self._explicit, refused)
         return kept if self._zero is not None else without_partitioned(self.model, kept)
 
     def _hook_steps(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -156,7 +159,7 @@ class Probe:
 
         def first(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self._discovery_hook.remove()
-            layouts.refuse_pipeline_call()
+            pipeline.refuse_call()
             self.discover_now(*args, **kwargs)
             self.start_forward()
 
@@ -166,10 +169,14 @@ class Probe:
         self._handles.append(self._discovery_hook)
 
     def _install(self, model_map: ModelMap) -> None:
-        if self._tensor_parallel is not None:  # a parallelized head: its logits are split
-            why = layouts.parallelized_head(self.model, model_map.head)
-            refused = None if why is None else {"logits": f"tensor parallelism: {why}"}
-            self.metrics = layouts.checked(self.model, self.metrics, self._explicit, refused)
+        if self._tensor_parallel is not None:  # an output head or heads split otherwise
+            attention = [a.path for a in model_map.attention]
+            refused = tensor_parallel.refused_at_install(
+                self.model, self._tensor_parallel, model_map.head, attention
+            )
+            self.metrics = tensor_parallel.checked(
+                self.model, self.metrics, self._explicit, refused
+            )
         plan = self._forwards.install(
             self.model,
             model_map,
@@ -203,7 +210,7 @@ class Probe:
     def _root_pre(self, *_: Any) -> None:
         self._forward_count += 1
         if self._forward_count == 1:
-            layouts.refuse_pipeline_call()
+            pipeline.refuse_call()
         if self.optimizer is not None:
             self._steps.forward_started()
         self.start_forward()
@@ -346,8 +353,8 @@ class Probe:
             return
         plan.run("flush", validation)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        if not self._ranks_checked and world_size() > 1 and layouts.PIPELINING in sys.modules:
-            layouts.same_blocks_everywhere(plan.modules_in_order, device)
+        if not self._ranks_checked and world_size() > 1 and pipeline.PIPELINING in sys.modules:
+            pipeline.same_blocks_everywhere(plan.modules_in_order, device)
         self._ranks_checked = True
         values = read_back(self._forwards.measured, plan.layout, device, validation)
         self._forwards.clear()

@@ -2,8 +2,8 @@
 tests/helpers/parallel_train.py.
 
 Tensor parallelism with FSDP2 on a 2x2 mesh reads what one process reads on the same model,
-weights and batch; what it cannot read (per-head vectors; activations under sequence
-parallelism) and pipeline stages are refused by name.
+weights and batch; what it cannot read (activations under sequence parallelism, the logits of
+a split output head) and pipeline stages are refused by name.
 """
 
 from __future__ import annotations
@@ -62,30 +62,29 @@ def _flat(record: dict[str, Any]) -> dict[str, float]:
 
 def test_tensor_parallel_reads_what_one_process_reads(ranks: dict[int, dict[str, Any]]) -> None:
     tp, single = ranks[0]["tp"], ranks[0]["single"]
-    heads = ("attn_head_", "attn_heads_over_tau", "attn_logits_head/")  # refused: see below
-    for step in ("0", "1"):
+    assert tp["metrics"] == single["metrics"] and "attn_logits_head" in tp["metrics"]
+    assert tp["warnings"] == []
+    for step in ("0", "2"):
         got, want = _flat(tp[step]), _flat(single[step])
-        kept = {t: v for t, v in want.items() if not any(h in t for h in heads)}
-        assert len(kept) > 80  # every block's gradients, weights, streams, norms, attention
-        assert got.keys() == kept.keys()
-        for tag, value in kept.items():
+        # every block's gradients, weights, streams, norms, attention heads, and the logits
+        assert len(want) > 150
+        assert got.keys() == want.keys()
+        for tag, value in want.items():
             assert got[tag] == pytest.approx(value, rel=1e-5, nan_ok=True), tag
     for rank in range(4):  # every rank holds the combined values
-        assert json.dumps(ranks[rank]["tp"]["1"]) == json.dumps(tp["1"])
+        assert json.dumps(ranks[rank]["tp"]["2"]) == json.dumps(tp["2"])
         assert ranks[rank]["tp"]["hooks_left"] == ranks[rank]["tp"]["hooks"]
+        # one collective per logged step (0 and 2), none on others: none under DTensor's ops
+        assert ranks[rank]["tp"]["collectives"] == [1, 0, 1]
 
 
-def test_tensor_parallel_refuses_per_head_vectors_by_name(
-    ranks: dict[int, dict[str, Any]],
-) -> None:
-    tp = ranks[0]["tp"]
-    assert "attn_logits_head" not in tp["metrics"] and "attn_logits" in tp["metrics"]
-    (warning,) = tp["warnings"]  # the default metrics: a warning, the family left out
-    assert warning.startswith("normprobe cannot read attn_logits_head on FSDPNet")
-    assert "each rank holds some of the heads" in warning
-    chosen = ranks[0]["tp_heads"]  # chosen by name: attach raises
-    assert chosen.startswith("ValueError: normprobe cannot read attn_entropy")
-    assert "blocks.0.attn.q.weight" in chosen and "ColwiseParallel / RowwiseParallel" in chosen
+def test_a_split_output_head_refuses_logits_by_name(ranks: dict[int, dict[str, Any]]) -> None:
+    for rank in range(4):
+        refused = ranks[rank]["head"]
+        assert refused.startswith("ValueError: normprobe cannot read logits on FSDPNet")
+        assert "the output head (head) is ColwiseParallel, its logits split" in refused
+        assert "blocks.0.attn.q.weight" in refused
+        assert "ColwiseParallel / RowwiseParallel" in refused
 
 
 def test_sequence_parallel_keeps_only_parameter_statistics(

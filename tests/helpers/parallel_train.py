@@ -24,10 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import normprobe
 
-WIDTH, HEADS, DEPTH, VOCAB, SEQ, BATCH, STEPS = 32, 4, 4, 64, 8, 4, 2
+WIDTH, HEADS, DEPTH, VOCAB, SEQ, BATCH, STEPS, EVERY = 32, 4, 4, 64, 8, 4, 3, 2
+METRICS = [*normprobe.metrics.DEFAULTS, "attn_entropy"]  # every per-head family
 
 
 class Attention(nn.Module):
@@ -96,28 +98,65 @@ def model() -> Net:
     return Net()
 
 
+class Collectives(TorchDispatchMode):
+    """Counts the collectives normprobe's code issues: those whose caller (the first frame
+    outside torch) is normprobe's, but for the model's own ops (tensor parallelism's
+    all-reduces, FSDP's all-gathers) that its torch function modes pass on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collectives = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        issued = func.namespace in ("c10d", "_c10d_functional") and "wait" not in str(func)
+        if issued and _from_normprobe():
+            self.collectives += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _from_normprobe() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if not frame.f_globals.get("__name__", "").startswith(("torch", "contextlib", "functools")):
+            own = frame.f_code.co_name != "__torch_function__"
+            return own and frame.f_globals.get("__name__", "").startswith("normprobe")
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 def values(probe: normprobe.Probe) -> dict[str, Any]:
     assert probe.latest is not None
     return {"scalars": dict(probe.latest.scalars), "profiles": dict(probe.latest.profiles)}
 
 
 def train(net: nn.Module, metrics: list[str] | None) -> dict[str, Any]:
-    """``STEPS`` steps of ``net`` on the whole batch: each step's record, the warnings of
-    attach, and whether any hook is left after ``remove``."""
+    """``STEPS`` steps of ``net`` on the whole batch: each logged step's record and the
+    collectives normprobe issued in each step, the warnings of attach, and the hooks on
+    ``net`` before attach and after ``remove``."""
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
     seen: dict[str, Any] = {"hooks": hooks(net)}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         probe = normprobe.attach(
-            net, opt, sinks=[normprobe.MemorySink()], every=1, metrics=metrics, spikes=None
+            net,
+            opt,
+            sinks=[normprobe.MemorySink()],
+            every=EVERY,
+            metrics=metrics,
+            example_inputs=(batches()[0],),  # mapped here: no step pays for it
         )
     seen["warnings"] = [str(w.message) for w in caught if "normprobe cannot" in str(w.message)]
     seen["metrics"] = list(probe.metrics)
+    counter, seen["collectives"] = Collectives(), []
     for step, batch in enumerate(batches()):
-        loss_of(net(batch), batch).backward()
-        opt.step()
+        counter.collectives = 0
+        with counter:
+            loss_of(net(batch), batch).backward()
+            opt.step()
+        seen["collectives"].append(counter.collectives)
         opt.zero_grad()
-        seen[str(step)] = values(probe)
+        if step % EVERY == 0:
+            seen[str(step)] = values(probe)
     probe.remove()
     seen["hooks_left"] = hooks(net)
     return seen
@@ -165,18 +204,20 @@ def tp_plan(sequence: bool) -> dict[str, Any]:
     }
 
 
-def tensor_parallel(sequence: bool) -> nn.Module:
+def tensor_parallel(sequence: bool, head: bool = False) -> nn.Module:
     """`Net` on a 2x2 mesh: tensor parallel over ``tp`` (with sequence parallelism or
-    not), ``fully_shard`` over ``dp``."""
+    not; ``head``: the output head too, its logits split), ``fully_shard`` over ``dp``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     net = model()
     for block in net.blocks:
         parallelize_module(block, mesh["tp"], tp_plan(sequence))
         fully_shard(block, mesh=mesh["dp"])
+    if head:
+        parallelize_module(net, mesh["tp"], {"head": ColwiseParallel()})
     fully_shard(net, mesh=mesh["dp"])
     return net
 
@@ -184,14 +225,17 @@ def tensor_parallel(sequence: bool) -> nn.Module:
 def tensor_parallel_checks() -> dict[str, Any]:
     """Every rank trains the same batch: what data parallelism averages is the same on both
     dp ranks, and the values are the single process's."""
-    seen = {"tp": train(tensor_parallel(False), None)}
-    seen["tp_heads"] = error_of(
-        lambda: normprobe.attach(tensor_parallel(False), metrics=["grad_norm", "attn_entropy"])
+    seen = {"tp": train(tensor_parallel(False), METRICS)}
+    head = tensor_parallel(False, head=True)
+    example = (batches()[0],)
+    seen["head"] = error_of(
+        lambda: normprobe.attach(head, metrics=["grad_norm", "logits"], example_inputs=example)
     )
-    seen["sp"] = error_of(lambda: normprobe.attach(tensor_parallel(True), metrics=["resid_rms"]))
+    sequence = tensor_parallel(True)
+    seen["sp"] = error_of(lambda: normprobe.attach(sequence, metrics=["resid_rms"]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        probe = normprobe.attach(tensor_parallel(True), sinks=[normprobe.MemorySink()])
+        probe = normprobe.attach(sequence, sinks=[normprobe.MemorySink()])
     seen["sp_metrics"] = list(probe.metrics)
     probe.remove()
     return seen
@@ -256,7 +300,7 @@ def main() -> None:
         seen |= pipeline_checks(rank)
         dist.destroy_process_group()
     if rank == 0:
-        seen["single"] = train(model(), None)
+        seen["single"] = train(model(), METRICS)
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
 
 
