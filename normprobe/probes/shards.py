@@ -39,6 +39,12 @@ def held_part(t: torch.Tensor) -> torch.Tensor | None:
     return part
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """`held_part` of a DTensor (an activation sequence parallelism shards), else ``t``."""
+    held = held_part(t)
+    return t if held is None else held
+
+
 def shard_share(t: torch.Tensor) -> float:
     """The weight of this rank's shard of ``t`` in a sum over all ranks: 1 / the number of
     ranks holding the same shard (HSDP's replicas) for a DTensor, 1 for a plain tensor."""

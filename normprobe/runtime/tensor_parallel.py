@@ -2,13 +2,14 @@
 or 3-D DeviceMesh): what the probe reads under it, and what it refuses by name.
 
 Parameter statistics are the whole tensors' (each rank's shard counted once,
-`normprobe.probes.shard_share`). While every parallelized module hands back a local tensor whole
-on each rank of its group (``ColwiseParallel`` inside a block, ``RowwiseParallel`` with its
-replicated output: no sequence parallelism), the block outputs and norms read are the ones one
-process reads; the heads ``ColwiseParallel`` splits over the ranks of its mesh are put in their
-places in each module's per-head vector (`head_splits`). Activations sharded otherwise
-(sequence parallelism, DTensors made by hand), heads split by something else and a parallelized
-output head are refused by name.
+`normprobe.probes.shard_share`). Where every parallelized module hands back a local tensor whole
+on each rank of its group (``ColwiseParallel`` inside a block, ``RowwiseParallel`` replicated)
+the activations read are the ones one process reads; under sequence parallelism each rank reads
+its part of the sequence (a DTensor's local part), and RMS, cosines, maxima and sums over equal
+parts combine across ranks as over the whole. The heads ``ColwiseParallel`` splits over the
+ranks of its mesh are put in their places in each per-head vector (`head_splits`). Per-channel
+outlier statistics under sequence parallelism, activations split otherwise (DTensors made by
+hand), heads split by something else and a split output head are refused by name.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ ACTIVATION_FAMILIES = (
     *HEAD_FAMILIES,
 )
 SUPPORTED = (
-    "normprobe supports tensor parallelism with ColwiseParallel / RowwiseParallel (replicated "
-    "outputs, no sequence parallelism), alone or with FSDP2/HSDP over the data-parallel mesh "
-    "dimensions"
+    "normprobe supports tensor parallelism by parallelize_module with ColwiseParallel, "
+    "RowwiseParallel and SequenceParallel (outliers: without sequence parallelism), alone or "
+    "with FSDP2/HSDP over the data-parallel mesh dimensions"
 )
 _STYLES = "torch.distributed.tensor.parallel"
 
@@ -48,7 +49,9 @@ class Style(NamedTuple):
     """A parallel style ``parallelize_module`` applied to a module, found in its hooks."""
 
     name: str  # ColwiseParallel, RowwiseParallel, SequenceParallel...
-    whole: bool  # its output is a local tensor whole on each rank of its group
+    # its output on each rank: "whole" (replicated, or ColwiseParallel's feature shard inside a
+    # block), "sequence" (split along a dimension but the last: sequence parallelism), "other"
+    output: str
     replicated: bool  # that output is the module's whole output (not a column shard)
     mesh: Any  # the DeviceMesh it splits over
 
@@ -68,7 +71,7 @@ def _styles(model: nn.Module) -> dict[str, Style]:
                 if not str(getattr(func, "__module__", "")).startswith("torch.distributed.tensor"):
                     continue
                 name = func.__qualname__.partition(".")[0]
-                style = found.get(path, Style(name, True, False, mesh))
+                style = found.get(path, Style(name, "whole", False, mesh))
                 if func.__name__ == "_prepare_output_fn":
                     style = _with_output(style, fn.args)
                 found[path] = style
@@ -87,16 +90,18 @@ def _cells(hook: Any) -> list[Any]:
 
 
 def _with_output(style: Style, args: tuple[Any, ...]) -> Style:
-    """``style`` as its output function (its partial's ``args``: output layouts, whether a
-    local tensor is handed back) leaves its output: whole on each rank (ColwiseParallel's local
-    shard inside a block, or a replicated one), and replicated."""
+    """``style`` as its output function (its partial's ``args``: SequenceParallel's whether a
+    local tensor is handed back; ColwiseParallel's and RowwiseParallel's output layouts before
+    that) leaves its output (`Style.output`)."""
+    if style.name == "SequenceParallel":
+        return style._replace(output="sequence")
     if style.name not in ("ColwiseParallel", "RowwiseParallel") or len(args) != 2:
-        return style._replace(whole=False)
-    layouts, local = args
-    layout = layouts[0] if isinstance(layouts, tuple | list) else layouts
-    replicated = bool(local) and layout.is_replicate()
-    whole = replicated or (bool(local) and style.name == "ColwiseParallel")
-    return style._replace(whole=whole, replicated=replicated)
+        return style._replace(output="other")
+    layout = args[0][0] if isinstance(args[0], tuple | list) else args[0]
+    if layout.is_replicate():
+        return style._replace(output="whole", replicated=True)
+    last = layout.is_shard() and layout.dim == -1  # features: a block's inner activations
+    return style._replace(output="whole" if last else "sequence")
 
 
 def _dtensor_params(model: nn.Module) -> list[tuple[str, Any]]:
@@ -136,14 +141,23 @@ def refused_at_attach(model: nn.Module, found: str) -> dict[str, str]:
     """The families ``model``'s tensor-parallel layout (``found``, `layout`) keeps from being
     read, each with the reason: those of activations, unless they are whole on every rank."""
     styles = _styles(model)
-    sharded = sorted(path for path, style in styles.items() if not style.whole)
-    if sharded:
-        why = f"activations sharded across ranks ({sharded[0]}: {styles[sharded[0]].name})"
-    elif not styles:
+    if not styles:
         why = "no parallelize_module style found: activations may be sharded"
-    else:
-        return {}
-    return dict.fromkeys(ACTIVATION_FAMILIES, f"{found}: {why}")
+        return dict.fromkeys(ACTIVATION_FAMILIES, f"{found}: {why}")
+    for kind in ("other", "sequence"):
+        split = sorted(path for path, style in styles.items() if style.output == kind)
+        if not split:
+            continue
+        where = f"{split[0]}: {styles[split[0]].name}"
+        if kind == "other":
+            why = f"{found}: activations split across ranks in a way normprobe does not follow"
+            return dict.fromkeys(ACTIVATION_FAMILIES, f"{why} ({where})")
+        why = (
+            f"{found} with sequence parallelism ({where}): each rank holds part of the "
+            "sequence, and per-channel statistics over tokens do not add up across ranks"
+        )
+        return {"outliers": why}
+    return {}
 
 
 def refused_at_install(

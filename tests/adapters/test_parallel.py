@@ -2,8 +2,9 @@
 tests/helpers/parallel_train.py.
 
 Tensor parallelism with FSDP2 on a 2x2 mesh reads what one process reads on the same model,
-weights and batch; what it cannot read (activations under sequence parallelism, the logits of
-a split output head) and pipeline stages are refused by name.
+weights and batch, with sequence parallelism or not; what it cannot read (per-channel outlier
+statistics under sequence parallelism, the logits of a split output head) and pipeline stages
+are refused by name.
 """
 
 from __future__ import annotations
@@ -84,18 +85,32 @@ def test_a_split_output_head_refuses_logits_by_name(ranks: dict[int, dict[str, A
         assert refused.startswith("ValueError: normprobe cannot read logits on FSDPNet")
         assert "the output head (head) is ColwiseParallel, its logits split" in refused
         assert "blocks.0.attn.q.weight" in refused
-        assert "ColwiseParallel / RowwiseParallel" in refused
+        assert "parallelize_module with ColwiseParallel, RowwiseParallel" in refused
 
 
-def test_sequence_parallel_keeps_only_parameter_statistics(
+def test_sequence_parallel_reads_its_part_of_the_sequence(
     ranks: dict[int, dict[str, Any]],
 ) -> None:
+    """Each rank reads half of the sequence (a DTensor's local part): RMS, cosines, attention
+    maxima and entropies combine to the whole's; per-channel outlier statistics would not."""
+    sp, single = ranks[0]["sp"], ranks[0]["single"]
+    assert "outliers" not in sp["metrics"] and sp["warnings"] == []
+    for step in ("0", "2"):
+        got, want = _flat(sp[step]), _flat(single[step])
+        # the head is not found behind ColwiseParallel's redistribution: no logits written
+        gone = {t for t in want if t.startswith(("normprobe/outlier", "normprobe/logits/"))}
+        assert got.keys() == want.keys() - gone and len(got) > 130
+        for tag, value in got.items():
+            assert value == pytest.approx(want[tag], rel=1e-5, nan_ok=True), tag
     for rank in range(4):
-        assert ranks[rank]["sp"].startswith("ValueError: normprobe cannot read resid_rms")
-        assert "activations sharded across ranks" in ranks[rank]["sp"]
-        assert ranks[rank]["sp_metrics"] == [
-            "grad_norm", "update_ratio", "weight_rms", "norm_gain", "spikes",
-        ]  # fmt: skip
+        assert ranks[rank]["sp"]["collectives"] == [1, 0, 1]
+        assert ranks[rank]["sp_outliers"].startswith(
+            "ValueError: normprobe cannot read outliers on FSDPNet"
+        )
+    said = ranks[0]["sp_defaults"]  # the default metrics: a warning, outliers left out
+    assert said.startswith("RuntimeWarning: normprobe cannot read outliers on FSDPNet")
+    assert "sequence parallelism (blocks.0.attn.out: RowwiseParallel)" in said
+    assert ranks[1]["sp_defaults"] == "none"  # rank 0 alone warns
 
 
 def test_pipeline_stages_are_refused(ranks: dict[int, dict[str, Any]]) -> None:

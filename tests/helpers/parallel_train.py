@@ -170,12 +170,16 @@ def hooks(net: nn.Module) -> int:
     )
 
 
-def error_of(call: Any) -> str:
-    try:
-        call()
-    except (ValueError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "none"
+def error_of(call: Any, warned: bool = False) -> str:
+    """What ``call()`` raised (``warned``: the normprobe warning it gave), or "none"."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            call()
+        except (ValueError, RuntimeError) as e:
+            return f"{type(e).__name__}: {e}"
+    said = [str(w.message) for w in caught if str(w.message).startswith("normprobe cannot")]
+    return f"RuntimeWarning: {said[0]}" if warned and said else "none"
 
 
 def tp_plan(sequence: bool) -> dict[str, Any]:
@@ -204,6 +208,23 @@ def tp_plan(sequence: bool) -> dict[str, Any]:
     }
 
 
+def OUTER_SEQUENCE_PLAN() -> dict[str, Any]:
+    """Outside the blocks, under sequence parallelism: the embedding's output split along the
+    sequence, the final norm on its part, the head's logits whole."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    return {
+        "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
 def tensor_parallel(sequence: bool, head: bool = False) -> nn.Module:
     """`Net` on a 2x2 mesh: tensor parallel over ``tp`` (with sequence parallelism or
     not; ``head``: the output head too, its logits split), ``fully_shard`` over ``dp``."""
@@ -218,6 +239,8 @@ def tensor_parallel(sequence: bool, head: bool = False) -> nn.Module:
         fully_shard(block, mesh=mesh["dp"])
     if head:
         parallelize_module(net, mesh["tp"], {"head": ColwiseParallel()})
+    if sequence:
+        parallelize_module(net, mesh["tp"], OUTER_SEQUENCE_PLAN())
     fully_shard(net, mesh=mesh["dp"])
     return net
 
@@ -232,12 +255,9 @@ def tensor_parallel_checks() -> dict[str, Any]:
         lambda: normprobe.attach(head, metrics=["grad_norm", "logits"], example_inputs=example)
     )
     sequence = tensor_parallel(True)
-    seen["sp"] = error_of(lambda: normprobe.attach(sequence, metrics=["resid_rms"]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        probe = normprobe.attach(sequence, sinks=[normprobe.MemorySink()])
-    seen["sp_metrics"] = list(probe.metrics)
-    probe.remove()
+    seen["sp"] = train(sequence, [m for m in METRICS if m != "outliers"])
+    seen["sp_defaults"] = error_of(lambda: normprobe.attach(sequence).remove(), warned=True)
+    seen["sp_outliers"] = error_of(lambda: normprobe.attach(sequence, metrics=["outliers"]))
     return seen
 
 
