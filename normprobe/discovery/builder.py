@@ -93,9 +93,13 @@ def _head(scene: Scene) -> str | None:
         owner = g.owner[node]
         if g.uses_param[node]:
             return owner if owner in scene.weight_layers else None
-        if len(g.inputs[node]) != 1:
+        inputs = set(g.inputs[node])
+        parents = {p for i in inputs for p in g.inputs[i]}
+        if len(inputs) > 1 and len(parents) == 1 and all(len(g.inputs[i]) == 1 for i in inputs):
+            inputs = parents  # pieces of one tensor put back together (a gather's chunks)
+        if len(inputs) != 1:
             return None
-        node = g.inputs[node][0]
+        node = inputs.pop()
     return None
 
 

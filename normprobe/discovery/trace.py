@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ..nested import iter_tensors
+from ..probes.shards import held_part
 from .graph import Call, Graph
 from .ops import (
     ADD_OPS,
@@ -95,7 +96,8 @@ class _Recorder(TorchFunctionMode):
         entry = self.ids.get(id(t))
         if entry is not None and entry[0]() is t:
             return entry[1]
-        return None
+        held = held_part(t)  # a DTensor wrapping a traced tensor (tensor parallelism's inputs)
+        return None if held is None else self._lookup(held)
 
     def _new(
         self,
@@ -127,6 +129,9 @@ class _Recorder(TorchFunctionMode):
         g.shape.append(tuple(t.shape))
         g.floating.append(t.is_floating_point())
         self.ids[id(t)] = (weakref.ref(t), n)
+        held = held_part(t)  # what a DTensor's to_local() views: the same node
+        if held is not None:
+            self.ids[id(held)] = (weakref.ref(held), n)
         return n
 
     def node(self, t: torch.Tensor, act: bool = False) -> int:

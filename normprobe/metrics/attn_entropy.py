@@ -120,8 +120,8 @@ class AttnEntropy(Family):
     def plan(self, plan: Plan) -> None:
         slots: list[tuple[str, Slot]] = []
         for a in plan.attention:
-            slot = plan.slot(a.heads, "mean")
-            plan.read_attention(a.path, partial(_put, plan, slot))
+            slot, here = plan.head_slots(a.path, "mean")
+            plan.read_attention(a.path, partial(_put, plan, here))
             slots.append((plan.module_tag(a.path), slot))
 
         def record(values: Values, out: Out) -> None:

@@ -48,8 +48,8 @@ class AttnLogitsHead(Family):
     def plan(self, plan: Plan) -> None:
         slots: list[tuple[str, str | None, Slot]] = []
         for a in plan.attention:
-            slot = plan.slot(a.heads, "max")
-            plan.read_attention(a.path, partial(_put_max, plan, slot), logit_max=True)
+            slot, here = plan.head_slots(a.path, "max")
+            plan.read_attention(a.path, partial(_put_max, plan, here), logit_max=True)
             stack = plan.stack_name(a.stack) if a.stack is not None else None
             slots.append((plan.module_tag(a.path), stack, slot))
 

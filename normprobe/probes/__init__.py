@@ -33,7 +33,7 @@ from .attention import (
 )
 from .base import feature_dim, sample_stride
 from .outliers import MEDIAN_SAMPLE, OutlierParts, outlier_parts, outlier_stats, outlier_stats_many
-from .shards import is_sharded, local, shard_share
+from .shards import is_sharded, local, local_part, shard_share
 from .squares import (
     CHUNK,
     SMALL_NUMEL,
@@ -67,6 +67,7 @@ __all__ = [
     "head_abs_max",
     "is_sharded",
     "local",
+    "local_part",
     "logit_sample",
     "logit_stats",
     "loglog_slope",

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import _stacked, _wide, feature_dim
-from .shards import _any_dtensor, local
+from .shards import _any_dtensor, local, local_part
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +126,7 @@ def finite_sum(x: torch.Tensor) -> torch.Tensor:
     One pass, read back with the step's other statistics (a sum overflows only for entries
     near 1e38 / numel, far past any trained network's activations).
     """
-    return x.detach().sum(dtype=torch.float32)
+    return local_part(x).detach().sum(dtype=torch.float32)
 
 
 def finite_sums(tensors: list[torch.Tensor]) -> torch.Tensor:

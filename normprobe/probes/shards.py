@@ -29,6 +29,22 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
 
 
+def held_part(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor holding this rank's part of DTensor ``t`` (no op runs: none is traced), or
+    None for any other tensor."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(t, dtensor):
+        return None
+    part: torch.Tensor = t._local_tensor
+    return part
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """`held_part` of a DTensor (an activation sequence parallelism shards), else ``t``."""
+    held = held_part(t)
+    return t if held is None else held
+
+
 def shard_share(t: torch.Tensor) -> float:
     """The weight of this rank's shard of ``t`` in a sum over all ranks: 1 / the number of
     ranks holding the same shard (HSDP's replicas) for a DTensor, 1 for a plain tensor."""
@@ -36,8 +52,14 @@ def shard_share(t: torch.Tensor) -> float:
     if dtensor is None or not isinstance(t, dtensor):
         return 1.0
     mesh = t.device_mesh
-    shards = math.prod(mesh.size(d) for d, place in enumerate(t.placements) if place.is_shard())
-    return shards / torch.distributed.get_world_size()
+    if any(place.is_partial() for place in t.placements):
+        raise RuntimeError(
+            f"normprobe: a DTensor with placements {t.placements} holds partial sums on each "
+            "rank, whose squares do not add up; redistribute it to Shard or Replicate"
+        )
+    # Shard, and the _StridedShard of FSDP2 over tensor parallelism: each rank a different part
+    held = (d for d, place in enumerate(t.placements) if not place.is_replicate())
+    return math.prod(mesh.size(d) for d in held) / torch.distributed.get_world_size()
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -85,8 +85,11 @@ def attach(
         A `Probe`, also a context manager; ``probe.remove()`` is idempotent.
 
     Raises:
-        ValueError: unknown metric names (the closest one suggested) or a bad ``every``.
-        RuntimeError: a probe is already attached to the model.
+        ValueError: unknown metric names (the closest one suggested), a bad ``every``, or a
+            family the model's tensor-parallel layout keeps from being read, named with the
+            reason (with the default metrics: a warning, the family left out).
+        RuntimeError: a probe is already attached to the model, or the model is a pipeline
+            stage (``torch.distributed.pipelining``: refused).
         OSError: ``log_dir`` cannot be created or written to (named, with the reason).
 
     Example::

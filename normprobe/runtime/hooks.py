@@ -15,6 +15,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..metrics.core.base import AttentionReader
 from ..nested import first_float, get_by_key
+from ..probes.shards import local_part
 from .backward import Gradients
 from .modes import AddCounter, AttentionLogits
 
@@ -59,7 +60,7 @@ class Read:
     def __call__(self, container: Any) -> None:
         t = first_float(container) if self.key is None else get_by_key(container, self.key)
         if isinstance(t, torch.Tensor) and t.is_floating_point():
-            self.action(t)
+            self.action(local_part(t))  # a DTensor: this rank's part (sequence parallelism)
 
 
 @dataclass

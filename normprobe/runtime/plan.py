@@ -28,6 +28,7 @@ from ..metrics.core.base import (
     Values,
 )
 from ..sinks import Record
+from . import tensor_parallel
 from .hooks import Hooks, Read, Registration
 from .packing import Layout
 
@@ -86,7 +87,8 @@ class ProbePlan:
         self.norms: Sequence[NormLayer] = [n for n in model_map.norms if n.path in kept]
         kept = tagged_paths([a.path for a in model_map.attention], max_block_tags)
         self.attention: Sequence[Attention] = [a for a in model_map.attention if a.path in kept]
-        self._heads = {a.path: a.heads for a in model_map.attention}
+        self._heads = {a.path: a.heads for a in model_map.attention}  # this rank's
+        self._head_splits = tensor_parallel.head_splits(model, list(self._heads))
         # FSDP and DeepSpeed ZeRO: each rank holds a shard of the parameters (or of their
         # gradients), whose statistics add up
         self.holdings = holdings
@@ -152,6 +154,12 @@ class ProbePlan:
         site.attention.append(action)
         site.heads = self._heads[module]
         site.logit_max |= logit_max
+
+    def head_slots(self, module: str, reduce: Reduce) -> tuple[Slot, Slot]:
+        heads = self._heads[module]
+        ranks, place = self._head_splits.get(module, (1, 0))
+        slot = self.slot(heads * ranks, reduce)
+        return slot, Slot(slot.offset + heads * place, heads, reduce)
 
     def read_outputs(self, action: Callable[[int, Any], None]) -> None:
         self.hooks.outputs.append(action)

@@ -13,12 +13,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import tags
-from ..common import EVERY, MAX_BLOCK_TAGS, check_every, is_writer
+from ..common import EVERY, MAX_BLOCK_TAGS, check_every, is_writer, world_size
 from ..discovery import DiscoveryWarning, ModelMap, discover
 from ..metrics import DEFAULTS, METRICS, chosen, family
 from ..metrics.core.base import Reduce
 from ..metrics.core.params import OwnTensors
 from ..sinks import Record, Sink
+from . import pipeline, tensor_parallel
 from .backward_end import BackwardEnd
 from .ds_engine import Engine0
 from .forward import Forwards
@@ -76,6 +77,7 @@ class Probe:
         _clip_norm: float | None = None,
     ) -> None:
         _check_arguments(model, every, max_block_tags)
+        pipeline.refuse_stage(model)
         self.model = model
         # DeepSpeed ZeRO: its gradients and step are its own (a driver that counts steps itself
         # passes its optimizer as ``_zero_optimizer``): read when its step starts, before it
@@ -93,8 +95,7 @@ class Probe:
         self.optimizer = optimizer = unwrapped_optimizer(optimizer)
         self.sinks = list(sinks)
         self.every = every
-        self.metrics = chosen(metrics)
-        self.metrics = self.metrics if self._zero else without_partitioned(model, self.metrics)
+        self.metrics = self._chosen(metrics)
         self.max_block_tags = max_block_tags
         self.step_count = start_step
         self.phase = _phase % every
@@ -113,6 +114,7 @@ class Probe:
         self._validating = self._removed = False
         self._forward_count = self._steps_ended = 0  # for the warning when nothing was logged
         self._gradients_read = False  # this step's gradients were read before the step
+        self._ranks_checked = False  # that every rank probes the same blocks
         self._backward = (
             BackwardEnd(model, self.gradients_complete, persistent_hooks)
             if _gradients_at == "backward"
@@ -120,6 +122,18 @@ class Probe:
         )
         self._handles: list[RemovableHandle | ZeroSteps] = []
         self._hook_steps(optimizer)
+
+    def _chosen(self, metrics: Iterable[str] | None) -> tuple[str, ...]:
+        """The families to read: ``metrics`` (None: the defaults) less those the model's layout
+        keeps from being read: tensor parallelism's (refused by name) and,
+        without a ZeRO optimizer to read them from, DeepSpeed's partitioned parameters'."""
+        self._tensor_parallel = tensor_parallel.layout(self.model)
+        self._explicit = metrics is not None
+        kept = chosen(metrics)
+        if self._tensor_parallel is not None:
+            refused = tensor_parallel.refused_at_attach(self.model, self._tensor_parallel)
+            kept = tensor_parallel.checked(self.model, kept, self._explicit, refused)
+        return kept if self._zero is not None else without_partitioned(self.model, kept)
 
     def _hook_steps(self, optimizer: torch.optim.Optimizer | None) -> None:
         """The root's hooks (each forward; the output's gradient, for the end of the backward)
@@ -152,6 +166,7 @@ class Probe:
         @torch.compiler.disable  # type: ignore[untyped-decorator]
         def first(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self._discovery_hook.remove()
+            pipeline.refuse_call()
             self.discover_now(*args, **kwargs)
             self.start_forward()
 
@@ -161,6 +176,14 @@ class Probe:
         self._handles.append(self._discovery_hook)
 
     def _install(self, model_map: ModelMap) -> None:
+        if self._tensor_parallel is not None:  # an output head or heads split otherwise
+            attention = [a.path for a in model_map.attention]
+            refused = tensor_parallel.refused_at_install(
+                self.model, self._tensor_parallel, model_map.head, attention
+            )
+            self.metrics = tensor_parallel.checked(
+                self.model, self.metrics, self._explicit, refused
+            )
         plan = self._forwards.install(
             self.model,
             model_map,
@@ -193,6 +216,8 @@ class Probe:
 
     def _root_pre(self, *_: Any) -> None:
         self._forward_count += 1
+        if self._forward_count == 1:
+            pipeline.refuse_call()
         if self.optimizer is not None:
             self._steps.forward_started()
         self.start_forward()
@@ -350,6 +375,9 @@ class Probe:
             return
         plan.run("flush", validation)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        if not self._ranks_checked and world_size() > 1 and pipeline.PIPELINING in sys.modules:
+            pipeline.same_blocks_everywhere(plan.modules_in_order, device)
+        self._ranks_checked = True
         values = read_back(self._forwards.measured, plan.layout, device, validation)
         self._forwards.clear()
         if values is None:

@@ -172,7 +172,7 @@ def without_partitioned(model: nn.Module, metrics: tuple[str, ...]) -> tuple[str
             f"{', '.join(refused)} are not logged. Pass it: "
             "normprobe.attach(engine.module, optimizer=engine.optimizer)",
             RuntimeWarning,
-            stacklevel=4,  # attach's caller (through Probe.__init__)
+            stacklevel=5,  # attach's caller (through Probe.__init__, Probe._chosen)
         )
     return tuple(m for m in metrics if m not in PARAMETER_FAMILIES)
 

@@ -154,6 +154,10 @@ class Plan(Protocol):
         attention takes it as the logits form, before a mask overwrites them: only when a
         reader asks)."""
 
+    def head_slots(self, module: str, reduce: Reduce) -> tuple[Slot, Slot]:
+        """A new slot of one value per query head of attention ``module``, and the part of it
+        this rank computes (all of it unless tensor parallelism splits the heads)."""
+
     def read_outputs(self, action: Callable[[int, Any], None]) -> None:
         """Hand ``action(index, output)`` every module's output (index: in ``modules()``)."""
 
