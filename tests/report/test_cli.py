@@ -17,7 +17,7 @@ pytestmark = pytest.mark.subprocess
 
 def _normprobe(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "normprobe.cli", *args],
+        [sys.executable, "-m", "normprobe", *args],
         cwd=cwd, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
