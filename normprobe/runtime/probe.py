@@ -79,14 +79,9 @@ class Probe:
         _check_arguments(model, every, max_block_tags)
         pipeline.refuse_stage(model)
         self.model = model
-        # DeepSpeed ZeRO: its gradients and step are its own (a driver that counts steps itself
-        # passes its optimizer as ``_zero_optimizer``): read when its step starts, before it
-        # clips them, no step counted; an engine without ZeRO likewise (`Engine0`)
-        zero = Zero.of(optimizer if optimizer is not None else _zero_optimizer)
-        self._zero: Zero | Engine0 | None = zero or Engine0.of(model)
-        if zero is not None:
-            warn_spikes(zero.stage, spikes)
-            spikes = None
+        spikes = self._find_deepspeed(
+            optimizer if optimizer is not None else _zero_optimizer, spikes
+        )
         _gradients_at = "step" if self._zero is not None else _gradients_at
         # Accelerate's AcceleratedOptimizer holds the GradScaler of fp16 training (a stage-0
         # DeepSpeed engine its torch.autocast one)
@@ -122,6 +117,18 @@ class Probe:
         )
         self._handles: list[RemovableHandle | ZeroSteps] = []
         self._hook_steps(optimizer)
+
+    def _find_deepspeed(self, optimizer: Any, spikes: Spikes | None) -> Spikes | None:
+        """DeepSpeed ZeRO: its gradients and step are its own (a driver that counts steps
+        itself passes its optimizer as ``_zero_optimizer``): read when its step starts, before
+        it clips them, no step counted; an engine without ZeRO likewise (`Engine0`). The spike
+        detector, off under ZeRO."""
+        zero = Zero.of(optimizer)
+        self._zero: Zero | Engine0 | None = zero or Engine0.of(self.model)
+        if zero is None:
+            return spikes
+        warn_spikes(zero.stage, spikes)
+        return None
 
     def _chosen(self, metrics: Iterable[str] | None) -> tuple[str, ...]:
         """The families to read: ``metrics`` (None: the defaults) less those the model's layout
