@@ -17,7 +17,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", unseen.RUNS, ids=lambda r: r.name)
-def test_unseen_healthy_run_learns_and_raises_no_problem(run, tmp_path, one_thread) -> None:
+def test_unseen_healthy_run_learns_and_raises_no_problem(run, tmp_path) -> None:
     trained = unseen.train(run, unseen.SMALL, tmp_path / run.name)
     tenth = len(trained.losses) // 10
     first, last = trained.losses[:tenth], trained.losses[-tenth:]
@@ -26,7 +26,7 @@ def test_unseen_healthy_run_learns_and_raises_no_problem(run, tmp_path, one_thre
 
 
 @pytest.mark.slow
-def test_batchnorm_running_statistics_converging_from_init_are_a_note(tmp_path, one_thread) -> None:
+def test_batchnorm_running_statistics_converging_from_init_are_a_note(tmp_path) -> None:
     # MobileNetV2's deepest BatchNorms start 9.6 (|log| of the variance ratio) off their batches
     # and fall at every logged step: past the limit, but the running statistics still converging
     (run,) = (r for r in unseen.RUNS if r.name == "tv-mobilenet-bn")
