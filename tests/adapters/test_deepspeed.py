@@ -47,7 +47,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Ranks:
         subprocess.Popen(
             [sys.executable, str(SCRIPT), str(out), str(rank), port],
             cwd=out,
-            env={**os.environ, "PYTHONPATH": path},
+            env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"},  # 2 ranks, 2 cores
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -147,6 +147,7 @@ def test_hf_trainer_with_a_zero_3_config_logs_gradients_before_clipping(tmp_path
         port = str(s.getsockname()[1])
     path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    env["OMP_NUM_THREADS"] = "1"  # a thread a rank: 2 ranks, 2 cores
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(tmp_path)],
