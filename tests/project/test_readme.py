@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -39,9 +40,13 @@ def test_readme_block(tmp_path: Path, line: int, code: str, why: str | None) -> 
     compile(code, f"README.md:{line}", "exec")  # every block is valid Python
     if why is not None:
         pytest.skip(f"README.md:{line} is a sketch: {why}")
+    # threads that sleep when idle (as test_claims.py): spinning ones slow small models many
+    # times over when the cores are shared
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
     assert done.returncode == 0, f"README.md:{line}\n{done.stderr[-3000:]}"
 
 
