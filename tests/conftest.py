@@ -1,10 +1,9 @@
-"""Shared fixtures: fail any test that leaves global hooks or torch function modes behind; torch
-on one thread; a TensorBoard server. Shared helper modules live in tests/helpers/ (on the path
+"""Shared fixtures: torch on one thread; fail any test that leaves global hooks or torch function
+modes behind; a TensorBoard server. Shared helper modules live in tests/helpers/ (on the path
 through pyproject's ``pythonpath``)."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import subprocess
 import sys
@@ -24,30 +23,16 @@ _GLOBAL_HOOKS = (
 )
 
 
-@contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Torch on one thread in the test process (subprocesses keep their own setting): the tests'
+    models are tiny, a second thread gains nothing on them, and OpenMP threads that spin waiting
+    for each other on a busy machine made training tests up to 30x slower. A test that needs
+    more sets them and puts them back (tests/project/test_demo.py)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Torch on one thread for the test: tiny models gain nothing from a second one, and OpenMP
-    threads that wait for each other on a busy machine made training tests 30x slower."""
-    with _torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def one_thread_module() -> Iterator[None]:
-    """`one_thread` for a whole module (``pytestmark = pytest.mark.usefixtures(...)``), its
-    module-scoped fixtures included: thousands of tiny kernels, where a second thread only spins."""
-    with _torch_threads(1):
-        yield
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

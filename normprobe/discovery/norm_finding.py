@@ -240,5 +240,5 @@ def _eps_placement(
 
 
 def _shape(args: Any, kwargs: Any) -> tuple[int, ...]:
-    found = norm_rules._first_float_input(args, kwargs)
+    found = norm_rules.first_float_input(args, kwargs)
     return tuple(found[1].shape) if found else ()

@@ -202,7 +202,8 @@ def _class_layout(module: nn.Module) -> str:
 # behaviour probe
 
 
-def _first_float_input(args: Any, kwargs: Any) -> tuple[tuple[str | int, ...], torch.Tensor] | None:
+def first_float_input(args: Any, kwargs: Any) -> tuple[tuple[str | int, ...], torch.Tensor] | None:
+    """The key and value of the first floating input of 4+ entries in a call's arguments."""
     for key, t in iter_tensors((args, kwargs)):
         if t.is_floating_point() and t.numel() >= 4:
             return key, t
@@ -219,7 +220,7 @@ class _Prober:
 
     def __init__(self, module: nn.Module, args: Any, kwargs: Any, eps: float | None) -> None:
         self.module = module
-        found = _first_float_input(args, kwargs)
+        found = first_float_input(args, kwargs)
         if found is None:
             raise ValueError("no floating-point input")
         self.key, x = found

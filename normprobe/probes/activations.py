@@ -9,28 +9,28 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .base import _stacked, _wide, feature_dim
-from .shards import _any_dtensor, local, local_part
+from .base import feature_dim, stack_scalars, wide_dtype
+from .shards import any_dtensor, local, local_part
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:
     """Root mean square of all elements: sqrt(mean(x^2)), reduced in float32 or wider."""
-    return torch.linalg.vector_norm(x.detach(), dtype=_wide(x)) / math.sqrt(max(x.numel(), 1))
+    return torch.linalg.vector_norm(x.detach(), dtype=wide_dtype(x)) / math.sqrt(max(x.numel(), 1))
 
 
 def rms_many(tensors: list[torch.Tensor]) -> torch.Tensor:
     """`rms` of each tensor, as one float32 vector, in one batched reduction."""
-    if _any_dtensor(tensors) or any(t.dtype == torch.float64 for t in tensors):
+    if any_dtensor(tensors) or any(t.dtype == torch.float64 for t in tensors):
         return torch.stack([rms(t).float() for t in tensors])
     norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     scales = [1 / math.sqrt(max(t.numel(), 1)) for t in tensors]
-    return _stacked(torch._foreach_mul(norms, scales))
+    return stack_scalars(torch._foreach_mul(norms, scales))
 
 
 def row_norms(x: torch.Tensor) -> torch.Tensor:
     """L2 norm of the feature vector (along `feature_dim`) at each position, flattened into one
     vector, in float32 or wider. Its own L2 norm is ``x``'s."""
-    return torch.linalg.vector_norm(x.detach(), dim=feature_dim(x), dtype=_wide(x)).reshape(-1)
+    return torch.linalg.vector_norm(x.detach(), dim=feature_dim(x), dtype=wide_dtype(x)).reshape(-1)
 
 
 def rms_from_row_norms(norms: torch.Tensor, numel: int) -> torch.Tensor:
@@ -42,7 +42,7 @@ def rms_from_row_norms(norms: torch.Tensor, numel: int) -> torch.Tensor:
 def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Dot product of ``a`` and ``b`` along `feature_dim` at each position, flattened like
     `row_norms`, in float32 or wider."""
-    wide, dim = _wide(a), feature_dim(a)
+    wide, dim = wide_dtype(a), feature_dim(a)
     a, b = (t.detach() if t.dtype == wide else t.detach().to(wide) for t in (a, b))
     return torch.linalg.vecdot(a, b, dim=dim).reshape(-1)
 
@@ -131,7 +131,7 @@ def finite_sum(x: torch.Tensor) -> torch.Tensor:
 
 def finite_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     """`finite_sum` of each tensor, as one vector: NaN or Inf exactly where a tensor holds one."""
-    return _stacked([finite_sum(t) for t in tensors])
+    return stack_scalars([finite_sum(t) for t in tensors])
 
 
 def loglog_slope(values: Sequence[float]) -> float:

@@ -10,11 +10,12 @@ from collections.abc import Sequence
 import torch
 
 
-def _wide(x: torch.Tensor) -> torch.dtype:
+def wide_dtype(x: torch.Tensor) -> torch.dtype:
+    """The float type to reduce ``x`` in: its own if float32 or float64, else float32."""
     return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _stacked(values: Sequence[torch.Tensor]) -> torch.Tensor:
+def stack_scalars(values: Sequence[torch.Tensor]) -> torch.Tensor:
     """Scalars (possibly on several devices) as one vector on the first one's device."""
     device = values[0].device
     return torch.stack([v if v.device == device else v.to(device) for v in values])

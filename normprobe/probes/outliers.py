@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .base import _wide, feature_dim, sample_stride
+from .base import feature_dim, sample_stride, wide_dtype
 
 # The median |x| of `outlier_parts` is taken over an evenly strided sample of at most this many
 # entries (all of them in smaller tensors): a sort of a whole stream costs a block's forward, and
@@ -29,7 +29,7 @@ def outlier_parts(x: torch.Tensor) -> OutlierParts:
     x = x.detach()
     if x.ndim == 1:
         x = x.unsqueeze(0)  # one position
-    wide, dim = _wide(x), feature_dim(x) % x.ndim
+    wide, dim = wide_dtype(x), feature_dim(x) % x.ndim
     stride = sample_stride(x.shape, MEDIAN_SAMPLE)
     flat = x.reshape(-1)
     # a copy: x may change in place later

@@ -13,26 +13,28 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 
-def _dtensor_type() -> type[DTensor] | None:
+def dtensor_type() -> type[DTensor] | None:
+    """DTensor's class, or None while ``torch.distributed.tensor`` is not imported."""
     module = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
     return getattr(module, "DTensor", None)
 
 
-def _any_dtensor(tensors: Sequence[torch.Tensor]) -> bool:
-    dtensor = _dtensor_type()
+def any_dtensor(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether any of ``tensors`` is a DTensor."""
+    dtensor = dtensor_type()
     return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2, tensor parallel), else ``t``: no collective."""
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
 
 
 def held_part(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor holding this rank's part of DTensor ``t`` (no op runs: none is traced), or
     None for any other tensor."""
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     if dtensor is None or not isinstance(t, dtensor):
         return None
     part: torch.Tensor = t._local_tensor
@@ -48,7 +50,7 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
 def shard_share(t: torch.Tensor) -> float:
     """The weight of this rank's shard of ``t`` in a sum over all ranks: 1 / the number of
     ranks holding the same shard (HSDP's replicas) for a DTensor, 1 for a plain tensor."""
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     if dtensor is None or not isinstance(t, dtensor):
         return 1.0
     mesh = t.device_mesh
@@ -65,7 +67,7 @@ def shard_share(t: torch.Tensor) -> float:
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``model``'s parameters are sharded across ranks: DTensors (FSDP2), or FSDP1
     modules inside it that shard (any strategy but ``NO_SHARD``)."""
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     if dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters()):
         return True
     fsdp = sys.modules.get("torch.distributed.fsdp")

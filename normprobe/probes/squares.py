@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .shards import _dtensor_type, local, shard_share
+from .shards import dtensor_type, local, shard_share
 
 
 def squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -22,7 +22,7 @@ def squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """
     tensors = [t.coalesce().values() if t.is_sparse else t for t in tensors]
     shares = None
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     if dtensor is not None and any(isinstance(t, dtensor) for t in tensors):
         shares = [shard_share(t) for t in tensors]
         tensors = [local(t) for t in tensors]

@@ -51,7 +51,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Ranks:
         subprocess.Popen(
             [sys.executable, str(SCRIPT), str(out), str(rank), port],
             cwd=out,
-            env={**os.environ, "PYTHONPATH": path},
+            env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"},  # 2 ranks, 2 cores
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -154,6 +154,7 @@ def wrapped(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         port = str(s.getsockname()[1])
     path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    env["OMP_NUM_THREADS"] = "1"  # a thread a rank: 2 ranks, 2 cores
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(out), ",".join(STAGES), ",".join(ACCELERATED)],

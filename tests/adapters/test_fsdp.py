@@ -49,7 +49,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         subprocess.Popen(
             [sys.executable, str(SCRIPT), *args[:1], str(out), *args[2:]],
             cwd=out,
-            env={**os.environ, "PYTHONPATH": path},
+            # four processes on the machine's cores: one torch thread each, none spinning idle
+            env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

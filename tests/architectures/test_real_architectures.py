@@ -70,7 +70,7 @@ REINIT_REFUSALS: dict[str, str] = {"vitpt_maxvit": "nested-stacks"}
 GPT2_STD = 0.02
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.slow
 
 
 def _params(check: str, names: list[str] = NAMES) -> list[Any]:
@@ -101,25 +101,20 @@ class Built:
 
 @functools.cache
 def _pristine(name: str) -> Built:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model, args, kwargs, expected = BUILDERS[name]()
-        model.eval()
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        before, count = hooks(model), hook_count(model)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", normprobe.DiscoveryWarning)
-            model_map = normprobe.discover(model, *args, **kwargs)
-        return Built(
-            model, args, kwargs, expected, model_map, state, before, count, hooks(model),
-            hook_count(model),
-        )  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, args, kwargs, expected = BUILDERS[name]()
+    model.eval()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    before, count = hooks(model), hook_count(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", normprobe.DiscoveryWarning)
+        model_map = normprobe.discover(model, *args, **kwargs)
+    return Built(
+        model, args, kwargs, expected, model_map, state, before, count, hooks(model),
+        hook_count(model),
+    )  # fmt: skip
 
 
 def _fresh(name: str) -> tuple[nn.Module, Built]:

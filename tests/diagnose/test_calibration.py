@@ -18,7 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", cal.HEALTHY, ids=lambda c: c.name)
-def test_healthy_run_raises_no_problem(case, tmp_path, one_thread) -> None:
+def test_healthy_run_raises_no_problem(case, tmp_path) -> None:
     outcome = cal.run_case(case, cal.SMALL, tmp_path)
     raised = [str(f) for f in outcome.report.flags if f.severity == "problem"]
     assert not raised, "\n".join(raised)
@@ -26,7 +26,7 @@ def test_healthy_run_raises_no_problem(case, tmp_path, one_thread) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", cal.BROKEN, ids=lambda c: c.name)
-def test_broken_run_is_caught_where_the_fault_is(case, tmp_path, one_thread) -> None:
+def test_broken_run_is_caught_where_the_fault_is(case, tmp_path) -> None:
     outcome = cal.run_case(case, cal.SMALL, tmp_path)
     flag = outcome.found
     assert flag is not None, (

@@ -32,8 +32,6 @@ import normprobe
 VOCAB, WIDTH, TOKENS = 128, 64, 16
 GPT2_STD = 0.02
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @dataclass(frozen=True)
 class Case:

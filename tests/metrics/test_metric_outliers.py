@@ -179,7 +179,6 @@ def _resnet() -> tuple[nn.Module, torch.Tensor]:
     return model.eval(), torch.randn(2, 3, 64, 64)
 
 
-@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("build", ["tiny", "gpt2", "resnet18"])
 def test_healthy_models_at_init_stay_below_the_flag(build: str) -> None:
     torch.manual_seed(0)
@@ -215,7 +214,6 @@ def _train(log_dir: Path, inject: bool) -> Path:
     return log_dir
 
 
-@pytest.mark.usefixtures("one_thread")
 def test_report_flags_massive_activations_naming_block_and_channel(tmp_path: Path) -> None:
     report = normprobe.report_run(_train(tmp_path / "bad", inject=True))
     (flag,) = [f for f in report.flags if f.kind == "massive activations"]

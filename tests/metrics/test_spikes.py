@@ -72,9 +72,7 @@ def logged_steps(log_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_loss_spike_is_found_at_its_step_and_the_next_steps_are_logged(
-    tmp_path: Path, one_thread: None
-) -> None:
+def test_a_loss_spike_is_found_at_its_step_and_the_next_steps_are_logged(tmp_path: Path) -> None:
     with pytest.warns(RuntimeWarning, match=f"loss spike at step {SPIKE_AT} ") as caught:
         train(tmp_path, SPIKE_AT, spikes=normprobe.Spikes(capture=10))
     assert len([w for w in caught if "spike" in str(w.message)]) == 1
@@ -94,7 +92,7 @@ def test_a_loss_spike_is_found_at_its_step_and_the_next_steps_are_logged(
 
 
 @pytest.mark.slow
-def test_without_a_spike_only_the_schedule_is_logged(tmp_path: Path, one_thread: None) -> None:
+def test_without_a_spike_only_the_schedule_is_logged(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         train(tmp_path, None)
@@ -104,7 +102,7 @@ def test_without_a_spike_only_the_schedule_is_logged(tmp_path: Path, one_thread:
 
 
 @pytest.mark.slow
-def test_a_rise_below_sigma_is_no_spike(tmp_path: Path, one_thread: None) -> None:
+def test_a_rise_below_sigma_is_no_spike(tmp_path: Path) -> None:
     # the same spike, under a threshold far above it
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
@@ -169,7 +167,7 @@ class LateCopy:
 
 @pytest.mark.slow
 def test_a_verdict_still_on_its_way_is_read_on_a_later_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     send = SpikeDetector._send
 
@@ -274,7 +272,7 @@ class SpikyLM(L.LightningModule):
 
 
 @pytest.mark.slow
-def test_the_lightning_callback_sees_a_loss_spike(tmp_path: Path, one_thread: None) -> None:
+def test_the_lightning_callback_sees_a_loss_spike(tmp_path: Path) -> None:
     torch.manual_seed(0)
     data = DataLoader(torch.randint(0, 96, (40 * 4, 16)), batch_size=4)  # type: ignore[arg-type]
     trainer = L.Trainer(
@@ -297,9 +295,7 @@ def test_the_lightning_callback_sees_a_loss_spike(tmp_path: Path, one_thread: No
 
 
 @pytest.mark.slow
-def test_the_hugging_face_callback_reads_the_loss_from_the_models_output(
-    tmp_path: Path, one_thread: None
-) -> None:
+def test_the_hugging_face_callback_reads_the_loss_from_the_models_output(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     transformers = pytest.importorskip("transformers")
     from normprobe.hf import NormProbeCallback
@@ -445,7 +441,7 @@ def test_a_sample_scales_to_the_whole_tensor_and_walks_through_all_columns() -> 
 TOTAL_BOUND, BLOCK_BOUND = 0.03, 0.10
 
 
-def test_the_sampled_gradient_norms_are_within_the_stated_bound(one_thread: None) -> None:
+def test_the_sampled_gradient_norms_are_within_the_stated_bound() -> None:
     torch.manual_seed(0)
     model = TinyTransformer(width=128, depth=4, context=32)
     params = list(model.parameters())
@@ -469,9 +465,7 @@ def test_the_sampled_gradient_norms_are_within_the_stated_bound(one_thread: None
 
 
 @pytest.mark.slow
-def test_a_broad_gradient_spike_is_caught_by_a_sampled_detector(
-    tmp_path: Path, one_thread: None
-) -> None:
+def test_a_broad_gradient_spike_is_caught_by_a_sampled_detector(tmp_path: Path) -> None:
     with pytest.warns(RuntimeWarning, match=f"spike at step {SPIKE_AT} "):
         train(tmp_path, SPIKE_AT, spikes=normprobe.Spikes(sample=256))
     events = read_events(str(tmp_path))

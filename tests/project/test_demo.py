@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,22 @@ import normprobe
 from normprobe import demo, tags
 
 
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """Torch on the two threads of a 2-core machine, as a user's session has them (the tests run
+    on one), so that the demo's own thread setting shows."""
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(1)
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("two_threads")
 def test_demo_trains_four_runs_and_prints_the_comparison(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    threads = torch.get_num_threads()
     demo.main(["--steps", "8", "--root", str(tmp_path)])
-    assert torch.get_num_threads() == threads  # the demo's one thread is its own
+    assert torch.get_num_threads() == 2  # the demo's one thread is its own
     out = capsys.readouterr().out
     # what it will take is said first: 4 runs of (3 s + 8 steps of 0.1 s)
     assert out.splitlines()[0] == "normprobe demo: 4 runs of 8 steps, about 15 s on 2 CPU cores"
@@ -39,6 +49,7 @@ def test_demo_trains_four_runs_and_prints_the_comparison(
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("two_threads")
 @pytest.mark.parametrize(("argv", "threads"), [([], 1), (["--threads", "2"], 2)])
 def test_the_demo_trains_on_one_thread_unless_told(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], threads: int
@@ -78,7 +89,7 @@ def _operations(name: str, probed: bool) -> int:
 
 
 @pytest.mark.slow
-def test_no_demo_run_does_much_more_work_per_step(one_thread: None) -> None:
+def test_no_demo_run_does_much_more_work_per_step() -> None:
     # a run 10x slower than the others on CPU: counted in operations, not seconds. The
     # probe adds the same work to every model's unlogged step (its spike detector), none for
     # converted norms; nn.RMSNorm's backward on CPU is a few operations more than LayerNorm's.

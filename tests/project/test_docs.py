@@ -6,6 +6,7 @@ once."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -65,9 +66,13 @@ def test_doc_block(tmp_path: Path, where: str, code: str, why: str | None) -> No
     compile(code, where, "exec")  # every block is valid Python
     if why is not None:
         pytest.skip(f"{where} is a sketch: {why}")
+    # threads that sleep when idle (as test_claims.py): spinning ones slow small models many
+    # times over when the cores are shared
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
     assert done.returncode == 0, f"{where}\n{done.stderr[-3000:]}"
 
 

@@ -6,6 +6,7 @@ writes (TensorBoard runs, PNGs) lands there and not in the repository.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -38,9 +39,12 @@ CHECKS = {
 
 
 def run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    # threads that sleep when idle (as test_claims.py): spinning ones slow small models many
+    # times over when the cores are shared
     return subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
-        cwd=cwd, capture_output=True, text=True, timeout=300,
+        cwd=cwd, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, capture_output=True,
+        text=True, timeout=300,
     )  # fmt: skip
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import site
 import subprocess
 import sys
@@ -16,8 +17,10 @@ ROOT = Path(__file__).parents[2]
 
 
 def _run(*cmd: str | Path, cwd: Path) -> str:
+    # without PYTHONPATH: a checkout on it would be imported instead of the installed wheel
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=600
+        [str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, f"{cmd}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     return done.stdout

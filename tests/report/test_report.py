@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from report_runs import check_d_stack, healthy_lm, lm_loss, square_loss, tokens, train
+from report_runs import check_d_stack, lm_loss, square_loss, tokens, train
 from tb import read_events
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
@@ -27,21 +28,23 @@ from normprobe.models import ResidualStack, TinyTransformer
 
 
 @pytest.fixture(scope="module")
-def lm_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return healthy_lm(tmp_path_factory.mktemp("lm") / "run")
+def lm_run(report_runs: dict[str, Path]) -> Path:
+    return report_runs["healthy"]
 
 
 @pytest.fixture(scope="module")
-def stacks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, rp.RunReport]:
+def stacks(
+    tmp_path_factory: pytest.TempPathFactory, report_runs: dict[str, Path]
+) -> dict[str, rp.RunReport]:
     root = tmp_path_factory.mktemp("stacks")
     return {
-        "pre": rp.report(check_d_stack(root / "pre", pre_ln=True)),
-        "post": rp.report(check_d_stack(root / "post", pre_ln=False)),
+        "pre": rp.report(report_runs["stack_pre"]),
+        "post": rp.report(report_runs["stack_post"]),
         "deepnorm": rp.report(check_d_stack(root / "deepnorm", pre_ln=False, deepnorm=True)),
         # a small input: the first blocks' norms divide by a small RMS, the deep ones by ~4
         "pre_small_input": rp.report(check_d_stack(root / "small", True, input_scale=0.1)),
         # a large input: the blocks' writes are lost in it (representation collapse)
-        "pre_large_input": rp.report(check_d_stack(root / "large", True, input_scale=100.0)),
+        "pre_large_input": rp.report(report_runs["stack_large_input"]),
     }
 
 
@@ -316,12 +319,12 @@ def test_cli_exit_status_and_output(
 
 @pytest.mark.slow
 def test_lightning_layout_and_several_runs(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], report_runs: dict[str, Path]
 ) -> None:
     logs = tmp_path / "lightning_logs"
-    check_d_stack(logs / "version_0", pre_ln=True)
+    shutil.copytree(report_runs["stack_pre"], logs / "version_0")
     assert rp.report(logs).run_dir == str(logs / "version_0")  # the only run below it
-    check_d_stack(logs / "version_1", pre_ln=False)
+    shutil.copytree(report_runs["stack_post"], logs / "version_1")
     assert rp.find_runs(logs) == [logs / "version_0", logs / "version_1"]
     with pytest.raises(ValueError, match=r"holds 2 runs.*version_0.*version_1"):
         rp.report(logs)

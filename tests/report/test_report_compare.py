@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from report_runs import check_d_stack, healthy_lm, lm_loss, square_loss, tokens, train
+from report_runs import lm_loss, square_loss, tokens, train
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
@@ -36,18 +36,18 @@ def lm_run(log_dir: Path, placement: Placement) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(tmp_path_factory: pytest.TempPathFactory, report_runs: dict[str, Path]) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", normprobe.DiscoveryWarning)  # what a model lacks
         return {
             "lm_pre": lm_run(root / "lm_pre", "pre"),
             "lm_post": lm_run(root / "lm_post", "post"),
-            "healthy": healthy_lm(root / "healthy"),  # logged every 2 steps: 0, 2, 4, 6, 8
-            "stack_pre": check_d_stack(root / "stacks" / "pre", pre_ln=True),
-            "stack_post": check_d_stack(root / "stacks" / "post", pre_ln=False),
+            "healthy": report_runs["healthy"],  # logged every 2 steps: 0, 2, 4, 6, 8
+            "stack_pre": report_runs["stack_pre"],
+            "stack_post": report_runs["stack_post"],
             # an input 100x the blocks' writes: representation collapse, a problem
-            "collapse": check_d_stack(root / "collapse", pre_ln=True, input_scale=100.0),
+            "collapse": report_runs["stack_large_input"],
         }
 
 

@@ -37,9 +37,6 @@ from normprobe import tags
 from normprobe.metrics import nonfinite
 from normprobe.runtime import InertHook, attached_probe
 
-# tiny kernels: on a shared CPU, a second torch thread only spins
-pytestmark = pytest.mark.usefixtures("one_thread_module")
-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Events:
@@ -359,7 +356,7 @@ import sys
 import torch
 import faulty_training as f
 
-torch.set_num_threads(1)  # as the reference run (one_thread)
+torch.set_num_threads(1)  # as the reference run (the tests run torch on one thread)
 
 model = f.make_model()
 opt = f.FailingAdamW(model.parameters(), fail_at=int(sys.argv[2]))

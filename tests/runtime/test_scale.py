@@ -25,10 +25,6 @@ PER_NORM = 4  # norm_in_rms, norm_out_rms, norm_gain_mean, norm_gain_std (no Bat
 MODEL_WIDE = 5  # logits max_abs, rms, z; nonfinite/modules, backward_modules
 
 
-# thousands of tiny kernels: on a shared CPU, a second torch thread only spins
-pytestmark = pytest.mark.usefixtures("one_thread_module")
-
-
 def one_logged_step(depth: int, log_dir: Path) -> tuple[normprobe.Probe, Events, int]:
     model = ResidualStack(depth, 64)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -42,9 +42,6 @@ GAIN = torch.arange(1, 9) / 4
 EPS = 1e-5
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _kinds(model: nn.Module, *args: object, **kwargs: object) -> dict[str, int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", normprobe.DiscoveryWarning)

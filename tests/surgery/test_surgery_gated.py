@@ -13,8 +13,6 @@ from torch import nn
 
 import normprobe
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 VOCAB = 96
 
 

@@ -25,9 +25,6 @@ from normprobe.surgery import convert_norms, convert_norms_with_report
 EPS = 1e-5
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _tensors(out: Any) -> list[torch.Tensor]:
     """Every tensor in a model output (a tensor, a tuple, a dict or an HF ModelOutput)."""
     if isinstance(out, torch.Tensor):
