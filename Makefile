@@ -42,7 +42,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy normprobe
 
 test: lint
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest --durations=15
 
 # The loop while editing: no lint, and none of the tests marked slow, subprocess or distributed
 # (pyproject.toml); about a minute on 2 CPU cores. `make test` runs everything.

@@ -33,6 +33,8 @@ from normprobe.runtime.zero import warn_spikes
 SCRIPT = Path(__file__).parents[1] / "helpers" / "deepspeed_train.py"
 STAGES = ("0", "1", "2", "3")  # 0: a DeepSpeed engine without ZeRO, the reference
 ZERO = STAGES[1:]
+# the Trainer: ZeRO-1 reads as ZeRO-2 does (the same optimizer class), tested with the plain engine
+HF_STAGES = ("0", "2", "3")
 ACCELERATED = ("0", "3")  # Accelerate's plugin: the engine as the model; ZeRO-3's parameters
 LOGGED = ["0", "2"]  # of steps 0 to 2, every 2
 CLIP = 0.05  # the script's gradient_clipping
@@ -157,7 +159,7 @@ def wrapped(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     env["OMP_NUM_THREADS"] = "1"  # a thread a rank: 2 ranks, 2 cores
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(out), ",".join(STAGES), ",".join(ACCELERATED)],
+            [sys.executable, str(script), str(out), ",".join(HF_STAGES), ",".join(ACCELERATED)],
             cwd=out,
             env={
                 **env,
@@ -194,14 +196,14 @@ OPTIMIZERS = {
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.distributed
-def test_hf_trainer_with_zero_stages_0_to_3_logs_gradients_before_clipping(
+def test_hf_trainer_with_zero_stages_0_2_3_logs_gradients_before_clipping(
     wrapped: list[dict[str, Any]],
 ) -> None:
     """The Trainer runs DeepSpeed's step inside Accelerate's backward, before it calls any
     callback: the callback reads the gradients when the engine's step (stage 0) or the ZeRO
     optimizer's starts."""
     reference = wrapped[0]["0"]["grads"]
-    for stage in STAGES:
+    for stage in HF_STAGES:
         run = wrapped[0][stage]
         assert run["optimizer"] == OPTIMIZERS[stage]
         assert run["logged"] == wrapped[1][stage]["logged"]

@@ -15,7 +15,7 @@ ask of them:
 7. every action a doubt of the map names refuses and changes nothing;
 
 and the "Tested on" section of docs/discovery.md lists every architecture whose map is right
-(`tested_on_rows`; ``PYTHONPATH=tests/helpers python
+(`discovery_page_rows`; ``PYTHONPATH=tests/helpers python
 tests/architectures/test_real_architectures.py`` prints the rows). ``zoo_unseen.XFAIL`` names the
 (model, check) pairs that fail today (strict xfail, issue 25).
 
@@ -422,7 +422,7 @@ def _block_writers(m: ModelMap) -> str:
     return "—"
 
 
-def tested_on_row(name: str) -> str:
+def discovery_page_row(name: str) -> str:
     b = _pristine(name)
     m = b.model_map
     library = type(b.model).__module__.split(".")[0]
@@ -435,9 +435,9 @@ def tested_on_row(name: str) -> str:
     return f"| {name} | {family} | {stacks} | {adds} | {_block_writers(m)} |"
 
 
-def tested_on_rows() -> list[str]:
+def discovery_page_rows() -> list[str]:
     """A row for every architecture whose map is right (not marked xfail in zoo_unseen)."""
-    return [tested_on_row(name) for name in NAMES if (name, "map") not in zoo_unseen.XFAIL]
+    return [discovery_page_row(name) for name in NAMES if (name, "map") not in zoo_unseen.XFAIL]
 
 
 def _tested_on(page: str) -> str:
@@ -450,7 +450,7 @@ def _tested_on(page: str) -> str:
 def test_the_discovery_page_lists_every_architecture() -> None:
     section = _tested_on(DISCOVERY_PAGE.read_text())
     lines = set(section.splitlines())
-    missing = [row for row in tested_on_rows() if row not in lines]
+    missing = [row for row in discovery_page_rows() if row not in lines]
     assert not missing, (
         f"{len(missing)} rows missing from docs/discovery.md's Tested on (print them with "
         "`PYTHONPATH=tests/helpers python tests/architectures/test_real_architectures.py`): "
@@ -461,4 +461,4 @@ def test_the_discovery_page_lists_every_architecture() -> None:
 
 
 if __name__ == "__main__":
-    print("\n".join(tested_on_rows()))
+    print("\n".join(discovery_page_rows()))
