@@ -1228,7 +1228,7 @@ SCHEMES = ["gpt2", "fixup", "deepnorm", "kaiming", "xavier", "zero_branch"]
 
 
 @settings(
-    max_examples=120,
+    max_examples=200,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
