@@ -25,7 +25,7 @@ from .core.base import (
     placement,
     sustained,
 )
-from .core.grads import GradSquares
+from .core.grads import GradSquares, unscaled
 
 # grad_ratio (last / first block), sanity check [d]: Post-LN reads 2.35 at init (top-heavy, the
 # reason it needs warmup: Xiong et al. 2020) and DeepNorm 1.02, so 2.0 is a note. A problem when
@@ -107,8 +107,7 @@ class GradNorm(Family):
                 plan.measured.put(slots[stack], sums[at])
             plan.measured.put(whole, torch.stack([sums[-1], _total(squares, total)]))
             if sampled_before:  # else the step sees the gradients `take` saw
-                before, late = sampled_before.pop(), plan.late_scale
-                before = before if late is None else before / late.to(before) ** 2
+                before = unscaled(sampled_before.pop(), plan.late_scale)
                 plan.measured.put(stepped, torch.stack([before, grads.sampled_total()]))
 
         def record(values: Values, out: Out) -> None:

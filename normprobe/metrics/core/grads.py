@@ -16,6 +16,11 @@ from .params import BlockParams
 CLIP_SAMPLE = 4096
 
 
+def unscaled(squares: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Sums of squares of gradients carrying a loss ``scale`` (None: none), with it divided out."""
+    return squares if scale is None else squares / scale.to(squares) ** 2
+
+
 class GradSquares:
     """The parameters of `BlockParams` (block by block), then every other trainable parameter
     (`rest`); `squares` holds the last logged step's squared gradient norms in that order
@@ -84,9 +89,7 @@ class GradSquares:
             ]
         device = self.params[0].device
         sums = [sample([grads[i] for i in at]).sum().to(device) for at, sample in self._samplers]
-        total = torch.stack(sums).sum()
-        scale = self._plan.grad_scale
-        return total if scale is None else total / scale.to(total) ** 2
+        return unscaled(torch.stack(sums).sum(), self._plan.grad_scale)
 
     def total_weights(self) -> torch.Tensor | None:
         """1 for each parameter's first place in `params`, 0 for a repeat (a block nested in
@@ -103,14 +106,12 @@ class GradSquares:
         if not self.params:
             return
         squares = self.squared_norms()
-        scale = self._plan.grad_scale
-        self.squares = squares if scale is None else squares / scale.to(squares) ** 2
+        self.squares = unscaled(squares, self._plan.grad_scale)
 
     def unscale_late(self) -> None:
         """Divide a loss scale found at the step (`Plan.late_scale`) out of `squares`."""
-        scale = self._plan.late_scale
-        if scale is not None and self.squares is not None:
-            self.squares = self.squares / scale.to(self.squares) ** 2
+        if self.squares is not None:
+            self.squares = unscaled(self.squares, self._plan.late_scale)
 
     def group_sums(self) -> torch.Tensor | None:
         """Each block's sum of squares, then the rest's, of the last `take`."""
