@@ -242,7 +242,7 @@ def nested_doubts(scene: Scene, m: ModelMap) -> list[Doubt]:
     of whose blocks make adds of their own beside blocks holding stacks (a stage of one
     block, whose N would be the number of stages)."""
     found = []
-    inner = {s.parent for s in m.stacks if s.parent is not None and not s.repeated}
+    inner = {s.parent for s in m.stacks if s.parent is not None}
     anchors = [a.writers[-1] if a.writers else a.module for a in m.residual_adds]
     for outer in (s for s in m.stacks if s.path in inner):
         index = [next((i for s, i in scene.blocks_of(p) if s == outer.path), None) for p in anchors]

@@ -72,6 +72,10 @@ REFUSALS: dict[tuple[str, str], tuple[type[Exception], str]] = {
         for m in zoo.NAMES
         if m not in ("bert", "stack_postln", "deepnet")
     },
+    # refine runs twice inside the stack [refine..if_neg]: its depth is 2 blocks or 3 block
+    # calls, so the schemes counting N refuse until n_layers= says which
+    ("control_flow", "gpt2"): (ValueError, "nested-stacks"),
+    ("control_flow", "deepnorm"): (ValueError, "nested-stacks"),
 }
 
 # Fixup refuses a model that normalizes unless told to keep the norms (its scalars are what

@@ -82,6 +82,33 @@ class Grouped(nn.Module):
         return out
 
 
+class LoopedStage(nn.Module):
+    """One block run three times (a looped, weight-shared stage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.block(x)
+        return x
+
+
+class Looped(nn.Module):
+    """Two looped stages chained with nothing between them: along the stream N is 6 block
+    calls, the stages' stack says 2 and each stage's repeated block 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList([LoopedStage() for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
 class Unrolled(nn.Module):
     """Four Pre-LN residual adds with no container: norm and layer registered in turn."""
 
@@ -151,6 +178,7 @@ class Stack3(nn.Module):
 DEPTH_CASES: dict[str, tuple[Callable[[], nn.Module], str, str, int]] = {
     # model, doubt kind, doubt path, the number of blocks (by hand)
     "grouped": (Grouped, "nested-stacks", "groups", 6),
+    "looped": (Looped, "nested-stacks", "stages", 6),
     "unrolled": (Unrolled, "no-stack", "", 4),
     "adapter": (WithAdapter, "add-outside-stack", "", 4),
 }
@@ -158,6 +186,7 @@ WRITERS = {
     "grouped": [
         f"groups.{i}.{j}.{w}" for i in range(2) for j in range(3) for w in ("attn.out", "ff.down")
     ],
+    "looped": [f"stages.{i}.block.{w}" for i in range(2) for w in ("attn.out", "ff.down")],
     "unrolled": [f"fc{i}" for i in range(4)],
     "adapter": [f"blocks.{i}.{s}" for i in range(3) for s in ("attn.out", "ff.down")]
     + ["adapter.down"],
