@@ -5,7 +5,8 @@ from __future__ import annotations
 from functools import partial
 
 from .. import probes
-from .core.base import Batch, Family, Out, Plan, Series, Values
+from .core.base import Family, Out, Plan, Series, Values
+from .core.batch import Batch
 
 
 class NormRms(Family):

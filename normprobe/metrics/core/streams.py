@@ -38,10 +38,15 @@ class Streams:
         self.watchers: list[Callable[[str, int, torch.Tensor], None]] = []
         self.reads: dict[str, list[StreamRead]] = {}
         self.blocks: dict[str, list[int]] = {}  # the blocks read, per stack
-        self._prev: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        # per stack: the last block read; its stream as held (or a copy), as read, and its
+        # version then (-1: none); its row norms
+        self._prev: dict[str, tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor]] = {}
+        self._copied: set[str] = set()  # stacks whose streams change in place after the read
+        self._compiled = plan.compiled
+        self._learned = plan.compiled
         plan.at_forward_start(self._clear)
         plan.on_clear(self._clear)
-        plan.at_forward_end(self._prev.clear)
+        plan.at_forward_end(self._end)
         model_map = plan.model_map
         for stack in model_map.stacks:
             last = {a.block: a for a in model_map.adds_in(stack.path) if a.block is not None}
@@ -73,6 +78,20 @@ class Streams:
             reads.clear()
         self._prev.clear()
 
+    def _end(self) -> None:
+        self._prev.clear()
+        self._learned = True
+
+    def _held(self, stack: str, t: torch.Tensor) -> torch.Tensor:
+        """What to keep of a block's stream ``t`` for the next block's cosines: ``t`` itself,
+        or a copy where the stack's streams change in place after their read (``x += f(x)``
+        without autograd) or where that is not known: on the first logged forward, for an
+        inference tensor (which counts no versions), in a compiled graph (which runs the
+        model's in-place operations and cannot look at versions)."""
+        if self._compiled or t.is_inference() or not self._learned or stack in self._copied:
+            return t.clone()
+        return t
+
     def _reader(self, stack: str, block: int) -> Callable[[torch.Tensor], None]:
         reads = self.reads.setdefault(stack, [])
 
@@ -85,9 +104,16 @@ class Streams:
             if not self.cosines:
                 return
             prev = self._prev.get(stack)
-            if prev is not None and prev[0] == block - 1 and prev[1].shape == t.shape:
-                here.dots, here.prev_norms = probes.row_dots(prev[1], t), prev[2]
-            self._prev[stack] = (block, t, here.norms)
+            if prev is not None:
+                before, held, original, version, prev_norms = prev
+                changed = version >= 0 and original._version != version
+                if changed:
+                    self._copied.add(stack)
+                fresh = not (changed and held is original)
+                if fresh and before == block - 1 and held.shape == t.shape:
+                    here.dots, here.prev_norms = probes.row_dots(held, t), prev_norms
+            version = -1 if self._compiled or t.is_inference() else t._version
+            self._prev[stack] = (block, self._held(stack, t), t, version, here.norms)
 
         return read
 
