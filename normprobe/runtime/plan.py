@@ -113,11 +113,15 @@ class ProbePlan:
         self._shared: dict[str, Any] = {}
         self._family: Family | None = None
         self.depth = {s.path: s.depth for s in model_map.stacks}
-        self._blocks = {  # each block of a stack with weights of its own, as tags name it
+        # each block of a stack with weights of its own, as tags name it; where a block is
+        # several entries of a list (x-transformers' attention and feed-forward layers), each
+        # entry by its place in the block, so that their modules' tags stay apart
+        self._blocks = {
             block: f"{self.stack_name(s.path)}/{tags.block_label(b, s.depth)}"
+            + (f".{k}" if len(members) > 1 else "")
             for s in self.stacks()
             for b, members in enumerate(s.members or tuple((blk,) for blk in s.blocks))
-            for block in members
+            for k, block in enumerate(members)
         }
 
     def install(self, families: Iterable[Family]) -> None:
