@@ -123,6 +123,10 @@ class ProbePlan:
             for b, members in enumerate(s.members or tuple((blk,) for blk in s.blocks))
             for k, block in enumerate(members)
         }
+        by_tag: dict[str, list[str]] = {}
+        for path in [*(n.path for n in self.norms), *(a.path for a in self.attention)]:
+            by_tag.setdefault(self._short_tag(path), []).append(path)
+        self._full_names = {p for paths in by_tag.values() if len(paths) > 1 for p in paths}
 
     def install(self, families: Iterable[Family]) -> None:
         for family in families:
@@ -222,6 +226,11 @@ class ProbePlan:
         return [s for s in self.model_map.stacks if not s.repeated]
 
     def module_tag(self, path: str) -> str:
+        if path in self._full_names:  # a module whose short tag another one has too
+            return self._name(path)
+        return self._short_tag(path)
+
+    def _short_tag(self, path: str) -> str:
         parts = path.split(".")
         for i in range(len(parts) - 1, 0, -1):  # the innermost block holding the module
             block = self._blocks.get(".".join(parts[:i]))
