@@ -1129,14 +1129,16 @@ OUTSIDE_STACK = "add-outside-stack"
 
 # Stages of blocks chained with nothing between them (a "seq" container starts each stage with
 # a Linear): one run of adds crosses the stages' stack and the stacks of their blocks, so N is
-# either count and the schemes counting N refuse.
+# either count and the schemes counting N refuse. So does a block run N times beside the shared
+# block run twice ([stack..shared]): its two blocks are 2, their runs N + 2.
 NESTED = "nested-stacks"
 
 
 def _nested(spec: Spec) -> bool:
     stacks = _stacks(spec)
     inner = any(p.startswith("stack.") for p in stacks)
-    return "stack" in stacks and inner and spec.container != "seq"
+    staged = "stack" in stacks and inner and spec.container != "seq"
+    return staged or "[stack..shared]" in stacks
 
 
 def _outside_a_stack(spec: Spec) -> bool:
