@@ -76,6 +76,7 @@ class ProbePlan:
         holdings: Holdings,
         compiled: bool,
         name_prefix: str,
+        blocks: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         self.model = model
         self.model_map = model_map
@@ -112,9 +113,15 @@ class ProbePlan:
         self._block_tags: dict[tuple[str, str], tuple[str, list[tuple[int, str]]]] = {}
         self._shared: dict[str, Any] = {}
         self._family: Family | None = None
+        # a pipeline stage's stacks: the global number of their first block here, and their
+        # depth over every stage (tags and profiles number blocks globally)
+        self.first = {s.path: 0 for s in model_map.stacks}
         self.depth = {s.path: s.depth for s in model_map.stacks}
+        for path, (first, depth) in (blocks or {}).items():
+            self.first[path], self.depth[path] = first, depth
         self._blocks = {  # each block of a stack with weights of its own, as tags name it
-            block: f"{self.stack_name(s.path)}/{tags.block_label(b, s.depth)}"
+            block: f"{self.stack_name(s.path)}/"
+            f"{tags.block_label(self.first[s.path] + b, self.depth[s.path])}"
             for s in self.stacks()
             for b, members in enumerate(s.members or tuple((blk,) for blk in s.blocks))
             for block in members
@@ -317,6 +324,8 @@ class RecordOut:
 
     def per_block(self, series: str, stack: str, values: Mapping[int, float]) -> None:
         profile, blocks = self._plan.block_tags(series, stack)
+        first = self._plan.first[stack]
+        values = {first + b: v for b, v in values.items()}
         scalars = self.record.scalars
         for b, tag in blocks:
             if b in values:
