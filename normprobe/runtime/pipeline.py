@@ -16,6 +16,7 @@ import sys
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -55,6 +56,17 @@ class Stage:
     @property
     def last(self) -> bool:
         return self.index == self.count - 1
+
+
+def checked(model: nn.Module, pipeline: Any, persistent_hooks: bool) -> None:
+    """Refuse a stage's module attached without its stage (``pipeline`` None), else a layout
+    that cannot be combined (`stage_of`)."""
+    if pipeline is None:
+        refuse_stage(model)
+    elif persistent_hooks:
+        raise ValueError("normprobe keeps no persistent hooks on a pipeline stage")
+    else:
+        stage_of(model, pipeline)
 
 
 def stage_of(model: nn.Module, pipeline: Any) -> Any:
@@ -167,11 +179,11 @@ def refuse_call() -> None:
 def inferring() -> bool:
     """Whether the running forward is the one a pipelining stage runs on its first step to find
     its output's shapes (on an empty tensor after the first stage): not a micro-batch."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "_forward_metadata_inference":
             return frame.f_globals.get("__name__", "").startswith(PIPELINING)
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return False
 
 

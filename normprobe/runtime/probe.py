@@ -58,6 +58,8 @@ class Probe:
     they are complete, unscaled and not clipped).
     """
 
+    stage: pp.Stage | None = None  # a pipeline stage's place in its stacks, once mapped
+
     def __init__(
         self,
         model: nn.Module,
@@ -80,21 +82,13 @@ class Probe:
         pipeline: Any = None,
     ) -> None:
         _check_arguments(model, every, max_block_tags)
-        if pipeline is None:
-            pp.refuse_stage(model)
-        elif persistent_hooks:
-            raise ValueError("normprobe keeps no persistent hooks on a pipeline stage")
-        else:
-            pp.stage_of(model, pipeline)
-        self.model = model
-        self._pipeline = pipeline
-        self.stage: pp.Stage | None = None  # the stage's place in its stacks, once mapped
+        pp.checked(model, pipeline, persistent_hooks)
+        self.model, self._pipeline = model, pipeline
         spikes = self._find_deepspeed(
             optimizer if optimizer is not None else _zero_optimizer, spikes
         )
         # a pipelining schedule scales the gradients after the last backward (per micro-batch)
-        step = self._zero is not None or pipeline is not None
-        _gradients_at = "step" if step else _gradients_at
+        _gradients_at = "step" if (self._zero, pipeline) != (None, None) else _gradients_at
         # Accelerate's AcceleratedOptimizer holds the GradScaler of fp16 training (a stage-0
         # DeepSpeed engine its torch.autocast one)
         held = (scaler, getattr(optimizer, "scaler", None), getattr(self._zero, "scaler", None))

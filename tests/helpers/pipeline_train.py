@@ -103,12 +103,10 @@ def refusals(rank: int) -> dict[str, Any]:
             net, metrics=["outliers"], example_inputs=example(rank), pipeline=stage
         )
     )
-    del stage
     looped = PipelineStage(net, rank, 4, CPU)  # 4 stages on 2 ranks
     seen["looped"] = error_of(
         lambda: normprobe.attach(net, example_inputs=example(rank), pipeline=looped)
     )
-    del looped
     # stages run by hand: the ranks probe different blocks, found at the first logged step
     net = stages(rank)
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
