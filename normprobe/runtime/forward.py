@@ -29,6 +29,7 @@ class Forwards:
         # each forward of a step is a micro-batch: what it measured is published at its end
         # and kept apart, to be combined with the others' (a pipeline stage)
         self.micro_batches = False
+        self.size = 1.0  # the running forward's input elements, its weight among micro-batches
         self.recording = False
         self.measured = Measurements()
         self.hooks = Hooks(lambda: self.recording)
@@ -100,7 +101,7 @@ class Forwards:
             self.clear()
         elif self.micro_batches and self.plan is not None and self.recording:
             self.plan.run("flush")
-            self.measured.end_forward()
+            self.measured.end_forward(self.size)
         if not self.persistent:
             self.recording = False
             exit_modes(self.hooks.entered())

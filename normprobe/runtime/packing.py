@@ -39,8 +39,8 @@ class Measurements:
     def __init__(self) -> None:
         self.whole: dict[int, tuple[Slot, torch.Tensor]] = {}  # by slot offset
         self.parts: list[tuple[Sequence[int], torch.Tensor]] = []
-        # what each earlier forward of the step measured, packed (`end_forward`)
-        self.forwards: list[tuple[list[int], torch.Tensor]] = []
+        # what each earlier forward of the step measured, packed, and its size (`end_forward`)
+        self.forwards: list[tuple[list[int], torch.Tensor, float]] = []
 
     def put(self, slot: Slot, value: torch.Tensor) -> None:
         self.whole[slot.offset] = (slot, value)
@@ -57,12 +57,12 @@ class Measurements:
         self.parts.clear()
         self.forwards.clear()
 
-    def end_forward(self) -> None:
-        """Keep what this forward measured apart (a micro-batch: `read_micro_batches` combines
-        the step's forwards as ranks are combined)."""
+    def end_forward(self, size: float) -> None:
+        """Keep what this forward measured apart: a micro-batch of ``size`` elements, combined
+        with the step's others by `read_micro_batches`."""
         positions, packed = self.pack(torch.device("cpu"))
         if positions:
-            self.forwards.append((positions, packed))
+            self.forwards.append((positions, packed, size))
         self.whole.clear()
         self.parts.clear()
 
@@ -126,14 +126,17 @@ def read_micro_batches(
     measured: Measurements, layout: Layout, device: torch.device, validation: bool
 ) -> HostValues:
     """What the step measured, on the host, in one transfer and no collective: the values of
-    its forwards (equal micro-batches) combined as ranks' are, then those of the step."""
+    its forwards (micro-batches) combined as ranks' are, means weighted by each one's size,
+    then those of the step."""
     positions, packed = measured.pack(device)
     total = layout.size
     values, present = packed.new_zeros(total), packed.new_zeros(total)
     if measured.forwards:
-        rows = [_dense(p, v.to(packed.device), total) for p, v in measured.forwards]
-        every = torch.stack(rows)
-        values, count = _combined(every[:, :total], every[:, total:] > 0.5, layout)
+        every = torch.stack(
+            [_dense(p, v.to(packed.device), total) for p, v, _ in measured.forwards]
+        )
+        sizes = torch.tensor([n for _, _, n in measured.forwards], device=packed.device)
+        values, count = _combined(every[:, :total], every[:, total:] > 0.5, layout, sizes)
         present = (count > 0).float()
     if positions:
         index = torch.tensor(positions, dtype=torch.long, device=packed.device)
@@ -182,17 +185,20 @@ def combine_ranks(
 
 
 def _combined(
-    values: torch.Tensor, present: torch.Tensor, layout: Layout
+    values: torch.Tensor, present: torch.Tensor, layout: Layout, sizes: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of values (ranks, or a step's micro-batches) combined by each position's
-    reduction, and how many rows hold each position."""
+    reduction, means weighted by the rows' ``sizes`` (None: alike), and how many rows hold
+    each position."""
     total = layout.size
     count = present.sum(dim=0)
     kept = torch.where(present, values, torch.zeros((), device=values.device))
-    mean_of = count.clamp_min(1)
+    weights = torch.ones_like(values) if sizes is None else sizes[:, None].expand_as(values)
+    weights = torch.where(present, weights, torch.zeros((), device=values.device))
+    mean_of = weights.sum(dim=0).clamp_min(torch.finfo(values.dtype).tiny)
     combined = {
-        "mean": kept.sum(dim=0) / mean_of,
-        "rms": (kept.pow(2).sum(dim=0) / mean_of).sqrt(),
+        "mean": (weights * kept).sum(dim=0) / mean_of,
+        "rms": ((weights * kept.pow(2)).sum(dim=0) / mean_of).sqrt(),
         "sum": kept.sum(dim=0),
         "max": values.masked_fill(~present, -math.inf).amax(dim=0),
         "min": values.masked_fill(~present, math.inf).amin(dim=0),

@@ -187,6 +187,12 @@ def inferring() -> bool:
     return False
 
 
+def micro_batch_size(args: tuple[Any, ...]) -> float:
+    """A stage's micro-batch by its size: the elements of its first input tensor."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return 1.0 if first is None else float(first.numel())
+
+
 def same_blocks_everywhere(names: Sequence[str], device: torch.device) -> None:
     """Raise a RuntimeError on every rank unless all ranks probe the same blocks (``names``):
     one collective, at the first logged step, where ``torch.distributed.pipelining`` is in use

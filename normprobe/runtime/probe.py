@@ -236,9 +236,11 @@ class Probe:
         spikes = -1 if self._spikes is None else self._spikes.capture_until
         return spikes if self._plan is None else max(spikes, self._plan.capture_until)
 
-    def _root_pre(self, *_: Any) -> None:
-        if self._pipeline is not None and pp.inferring():
-            return  # the schedule's forward that finds the stage's output shapes
+    def _root_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._pipeline is not None:
+            if pp.inferring():
+                return  # the schedule's forward that finds the stage's output shapes
+            self._forwards.size = pp.micro_batch_size(args)
         self._forward_count += 1
         if self._forward_count == 1 and self._pipeline is None:
             pp.refuse_call()

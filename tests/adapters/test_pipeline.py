@@ -62,6 +62,11 @@ def test_stages_read_what_one_process_reads(
         assert seen["collectives"] == [1, 0, 1]  # one a logged step (0 and 2), none between
 
 
+def test_a_record_larger_than_the_buffer_widens_it(ranks: dict[int, dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        assert ranks[rank]["exchange"] == {"sizes": [20, 21], "capacity": 42, "calls": 2}
+
+
 def test_rank_zero_alone_writes(ranks: dict[int, dict[str, Any]], out: Path) -> None:
     for schedule in ("gpipe", "1f1b"):
         assert list((out / f"{schedule}0").glob("events.out.tfevents.*"))
@@ -79,6 +84,11 @@ def test_layouts_that_cannot_be_combined_are_refused(ranks: dict[int, dict[str, 
         assert seen["no_inputs"].startswith("ValueError: attach(..., pipeline=stage) maps")
         assert seen["outliers"].startswith("ValueError: normprobe cannot read outliers on Net")
         assert "do not combine into the batch's" in seen["outliers"]
+        assert seen["data_parallel"] == (
+            "RuntimeError: normprobe cannot combine pipeline parallelism (1 stages) with data "
+            "parallelism (2 ranks): ranks would be combined both as stages and as copies; probe "
+            "one pipeline (its stages in the default process group)"
+        )
         assert seen["looped"] == (
             "RuntimeError: normprobe cannot probe 4 stages on 2 ranks (an interleaved or "
             "looped schedule): each rank must hold one stage"

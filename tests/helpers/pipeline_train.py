@@ -41,6 +41,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 import normprobe
 from normprobe.runtime.pipeline import REFUSED
+from normprobe.runtime.pipeline_records import Exchange
 
 PIPELINE_METRICS = [m for m in METRICS if m not in REFUSED]
 CPU = torch.device("cpu")
@@ -107,6 +108,12 @@ def refusals(rank: int) -> dict[str, Any]:
     seen["looped"] = error_of(
         lambda: normprobe.attach(net, example_inputs=example(rank), pipeline=looped)
     )
+    # a stage per rank, each in a group of its own: pipelines side by side, data parallel
+    groups = [dist.new_group([0]), dist.new_group([1])]
+    alone = PipelineStage(net, 0, 1, CPU, group=groups[rank])
+    seen["data_parallel"] = error_of(
+        lambda: normprobe.attach(net, example_inputs=example(rank), pipeline=alone)
+    )
     # stages run by hand: the ranks probe different blocks, found at the first logged step
     net = stages(rank)
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
@@ -121,6 +128,16 @@ def refusals(rank: int) -> dict[str, Any]:
     return seen
 
 
+def exchange(rank: int) -> dict[str, Any]:
+    """Records larger than the stages' buffer: the collectives, the buffer, what came back."""
+    swap = Exchange(None, CPU)
+    swap.capacity = 8
+    counter = Collectives()
+    with counter:
+        got = swap(b"x" * (20 + rank))
+    return {"sizes": [len(g) for g in got], "capacity": swap.capacity, "calls": counter.collectives}
+
+
 def main() -> None:
     out, rank, port = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(1)
@@ -131,6 +148,7 @@ def main() -> None:
         "1f1b": train_stage(rank, Schedule1F1B, out / f"1f1b{rank}"),
     }
     seen |= refusals(rank)
+    seen["exchange"] = exchange(rank)
     dist.destroy_process_group()
     if rank == 0:
         seen["single"] = train(model(), PIPELINE_METRICS)
