@@ -31,8 +31,8 @@ PASS_STAGE = (
     "attach(stage_module, opt, pipeline=stage, example_inputs=(stage_input,))"
 )
 SUPPORTED = (
-    "under pipeline parallelism (one stage a rank, no data parallelism) normprobe reads the "
-    "other families on each stage's equal micro-batches"
+    "normprobe reads the other families on each stage's micro-batches under pipeline "
+    "parallelism (one stage a rank, no data parallelism)"
 )
 # the families whose values of a stage's micro-batches do not combine into the whole batch's
 REFUSED = {

@@ -55,7 +55,8 @@ class Probe:
     for module names, their optimizer when it may be DeepSpeed's ZeRO (then gradients are
     read when its step starts, and `before_optimizer_step` is theirs to skip), and where
     gradients are read (``"step"``: in `before_optimizer_step`, which the driver calls where
-    they are complete, unscaled and not clipped).
+    they are complete, unscaled and not clipped). ``pipeline``: the
+    ``torch.distributed.pipelining`` stage that runs the model (`normprobe.runtime.pipeline`).
     """
 
     stage: pp.Stage | None = None  # a pipeline stage's place in its stacks, once mapped
@@ -87,7 +88,8 @@ class Probe:
         spikes = self._find_deepspeed(
             optimizer if optimizer is not None else _zero_optimizer, spikes
         )
-        # a pipelining schedule scales the gradients after the last backward (per micro-batch)
+        # read at the step: ZeRO's gradients, and a pipeline's (its schedule scales them by the
+        # number of micro-batches after the last backward)
         _gradients_at = "step" if (self._zero, pipeline) != (None, None) else _gradients_at
         # Accelerate's AcceleratedOptimizer holds the GradScaler of fp16 training (a stage-0
         # DeepSpeed engine its torch.autocast one)
@@ -394,7 +396,8 @@ class Probe:
 
         Under ``torch.distributed`` every rank must call it on the same steps: the ranks' values
         are combined with one collective (mean of squares for RMS, max of maxima, ...), and
-        only global rank zero writes.
+        only global rank zero writes. A pipeline stage combines its micro-batches itself, and
+        one all-gather hands every stage the stages' records (`pipeline_records`).
         """
         plan = self._plan
         if plan is None:
