@@ -48,6 +48,7 @@ class Forwards:
         holdings: Holdings,
         name_prefix: str,
         blocks: Mapping[str, tuple[int, int]] | None,
+        pipeline: tuple[int, int] | None,
     ) -> ProbePlan:
         """Plan what ``families`` read on the mapped model (`ProbePlan`), and read it;
         ``root_post`` ends each forward (registered last: it runs after every read of the
@@ -63,6 +64,7 @@ class Forwards:
             compiled=self.persistent,
             name_prefix=name_prefix,
             blocks=blocks,
+            pipeline=pipeline,
         )
         plan.install(families)
         self.armed.use(
@@ -105,7 +107,7 @@ class Forwards:
         if not self.persistent:
             self.recording = False
             exit_modes(self.hooks.entered())
-            if not keep_armed:
+            if not keep_armed and not self.micro_batches:  # micro-batches: at the step's end
                 self.armed.disarm()
         return raised
 

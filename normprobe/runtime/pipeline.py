@@ -58,6 +58,17 @@ class Stage:
         return self.index == self.count - 1
 
 
+def held(plan: Any, stage: Stage) -> dict[str, tuple[int, bool]]:
+    """Per stack (as tags name it): the global number of this stage's first block, and whether
+    every forward of the step handed the stack's last stream on as its output."""
+    streams = plan.made("streams")
+    handed = {} if streams is None else streams.hands_on
+    return {
+        plan.stack_name(path): (first, handed.get(path, False))
+        for path, (first, _) in stage.blocks.items()
+    }
+
+
 def checked(model: nn.Module, pipeline: Any, persistent_hooks: bool) -> None:
     """Refuse a stage's module attached without its stage (``pipeline`` None), else a layout
     that cannot be combined (`stage_of`)."""

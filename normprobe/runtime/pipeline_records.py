@@ -3,14 +3,17 @@
 Each stage writes its blocks under their global numbers; one all-gather over the stages' group
 hands every stage every stage's record. Per-block and per-module values belong to one stage
 each; the stack's ratios (``grad_ratio``, ``resid_growth``, ``resid_slope``) are computed again
-from the combined depth profiles, and the model's totals combine as named in `COMBINE`.
+from the combined depth profiles, and the model's totals combine as named in `COMBINE`. A
+later stage's first cosine (with its input) stays where the stage before handed on its last
+block's stream unchanged.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,16 +62,19 @@ class Exchange:
             self.capacity = 2 * max(sizes)  # every stage read the same sizes
 
 
-def encoded(record: Record) -> bytes:
-    return json.dumps([record.scalars, record.profiles, record.texts]).encode()
+def encoded(record: Record, held: Mapping[str, tuple[int, bool]]) -> bytes:
+    """A stage's record and what it holds of each stack (`pipeline.held`)."""
+    return json.dumps([record.scalars, record.profiles, record.texts, held]).encode()
 
 
 def combined(step: int, payloads: Sequence[bytes]) -> Record:
-    """The stages' records (``payloads``, `encoded`) as one."""
+    """The stages' records (``payloads``, `encoded`, in stage order) as one."""
     record = Record(step)
     several: dict[str, list[float]] = {}
-    for payload in payloads:
-        scalars, profiles, texts = json.loads(payload)
+    stages = [json.loads(payload) for payload in payloads]
+    for before, after in itertools.pairwise(stages):
+        _unhanded(before[3], after)
+    for scalars, profiles, texts, _ in stages:
         for tag, value in scalars.items():
             several.setdefault(tag, []).append(value)
         for tag, values in profiles.items():
@@ -86,6 +92,19 @@ def combined(step: int, payloads: Sequence[bytes]) -> Record:
             raise RuntimeError(f"normprobe cannot combine {tag} across pipeline stages: {values}")
     _spanning(record)
     return record
+
+
+def _unhanded(before: Mapping[str, list[Any]], stage: list[Any]) -> None:
+    """Drop the cosine of ``stage``'s first block with the stream before it (its input) where
+    the stage ``before`` it did not hand that stream on unchanged."""
+    scalars, profiles = stage[0], stage[1]
+    for stack, (first, _) in stage[3].items():
+        if before.get(stack, (0, False))[1]:
+            continue
+        profile = profiles.get(tags.format("resid_cos", stack))
+        if profile is not None:
+            profile[first] = math.nan
+            scalars.pop(tags.format("resid_cos", stack, first, depth=len(profile)), None)
 
 
 def _merged(tag: str, have: list[float] | None, values: list[float]) -> list[float]:

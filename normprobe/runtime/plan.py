@@ -77,8 +77,10 @@ class ProbePlan:
         compiled: bool,
         name_prefix: str,
         blocks: Mapping[str, tuple[int, int]] | None = None,
+        pipeline: tuple[int, int] | None = None,
     ) -> None:
         self.model = model
+        self.pipeline = pipeline
         self.model_map = model_map
         self.modules: Mapping[str, nn.Module] = dict(model.named_modules(remove_duplicate=False))
         self.modules_in_order: Sequence[str] = [path for path, _ in model.named_modules()]
@@ -115,10 +117,11 @@ class ProbePlan:
         self._family: Family | None = None
         # a pipeline stage's stacks: the global number of their first block here, and their
         # depth over every stage (tags and profiles number blocks globally)
-        self.first = {s.path: 0 for s in model_map.stacks}
+        firsts = {s.path: 0 for s in model_map.stacks}
         self.depth = {s.path: s.depth for s in model_map.stacks}
         for path, (first, depth) in (blocks or {}).items():
-            self.first[path], self.depth[path] = first, depth
+            firsts[path], self.depth[path] = first, depth
+        self.first: Mapping[str, int] = firsts
         self._blocks = {  # each block of a stack with weights of its own, as tags name it
             block: f"{self.stack_name(s.path)}/"
             f"{tags.block_label(self.first[s.path] + b, self.depth[s.path])}"

@@ -217,6 +217,7 @@ class Probe:
             holdings=self._zero or OwnTensors(),
             name_prefix=self.name_prefix,
             blocks=None if self.stage is None else self.stage.blocks,
+            pipeline=None if self.stage is None else (self.stage.index, self.stage.count),
         )
         self.model_map, self._plan = model_map, plan
         plan.clip_norm = self._clip_norm
@@ -406,8 +407,12 @@ class Probe:
         writes = is_writer()
         if self.stage is not None:  # the forwards published theirs: micro-batches
             values = read_micro_batches(self._forwards.measured, plan.layout, device, validation)
+            held = pp.held(plan, self.stage)  # before the clear: what the forwards handed on
             self._forwards.clear()
-            mine = encoded(plan.record(values, self.step_count, writes))
+            # armed for the step's every micro-batch (a hook added while the root's own hooks
+            # run misses that call): `begin_step` arms the next logged one
+            self._forwards.armed.disarm()
+            mine = encoded(plan.record(values, self.step_count, writes), held)
             record = combined(self.step_count, self._exchange(mine))
         else:
             plan.run("flush", validation)
