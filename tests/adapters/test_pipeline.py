@@ -1,7 +1,8 @@
 """NormProbe on a pipeline (``torch.distributed.pipelining``): two CPU processes over gloo, the
 2 stages of a 4-block pre-LN transformer, run by tests/helpers/pipeline_train.py.
 
-Under GPipe and 1F1B with 2 micro-batches every value is what one process reads on the same
+Under GPipe (the stages' blocks in a sliced ``ModuleList``) and 1F1B (in a ``ModuleDict``
+under their global keys) with 2 micro-batches every value is what one process reads on the same
 weights and whole batch: blocks under their global numbers, statistics of both micro-batches,
 the stack's ratios over both stages; one collective a logged step, rank 0 alone writes, no hook
 stays. What cannot be read that way is refused at attach, with the reason.

@@ -4,8 +4,9 @@ tests/adapters/test_pipeline.py.
     python tests/helpers/pipeline_train.py OUT_DIR RANK PORT   # ranks 0 and 1
 
 Ranks 0 and 1 are the 2 stages of `parallel_train.Net` (2 blocks each, the embedding on the
-first, the norm and head on the last) run by ``torch.distributed.pipelining`` with GPipe, then
-1F1B, 2 micro-batches; rank 0 then trains the whole model in one process on the same weights
+first, the norm and head on the last) run by ``torch.distributed.pipelining`` with GPipe (the
+blocks in a sliced ``ModuleList``), then 1F1B (in a ``ModuleDict`` under their global keys), 2
+micro-batches; rank 0 then trains the whole model in one process on the same weights
 and batches. Each rank writes rank<r>.json: the records, the collectives normprobe issued in
 each step, the hooks before attach and after removal, and the errors of the layouts refused.
 """
@@ -28,6 +29,7 @@ from parallel_train import (
     SEQ,
     WIDTH,
     Collectives,
+    Net,
     batches,
     error_of,
     hooks,
@@ -37,6 +39,7 @@ from parallel_train import (
     train,
     values,
 )
+from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import normprobe
@@ -47,6 +50,33 @@ PIPELINE_METRICS = [m for m in METRICS if m not in REFUSED]
 CPU = torch.device("cpu")
 
 
+class KeyedNet(Net):
+    """`Net` whose stage keeps its blocks in a ``ModuleDict`` under their global numbers (as
+    torchtitan splits its models)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.emb is not None:
+            x = self.emb(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.norm is not None and self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+
+def keyed(rank: int) -> Net:
+    """Rank ``rank``'s stage of `KeyedNet`: blocks "0", "1" on the first, "2", "3" on the last."""
+    torch.manual_seed(0)
+    net = KeyedNet()  # the weights of `model`
+    kept = range(2 * rank, 2 * rank + 2)
+    net.blocks = nn.ModuleDict({str(i): b for i, b in enumerate(net.blocks) if i in kept})  # type: ignore[assignment]
+    if rank == 0:
+        net.norm = net.head = None
+    else:
+        net.emb = None
+    return net
+
+
 def example(rank: int) -> tuple[torch.Tensor]:
     """A micro-batch of the stage's input: token ids on the first, the stream on the last."""
     if rank == 0:
@@ -54,9 +84,10 @@ def example(rank: int) -> tuple[torch.Tensor]:
     return (torch.zeros(BATCH // 2, SEQ, WIDTH),)
 
 
-def train_stage(rank: int, schedule: Any, log_dir: Path) -> dict[str, Any]:
-    """Rank ``rank``'s stage trained by ``schedule`` on the batches of `train`."""
-    net = stages(rank)
+def train_stage(rank: int, schedule: Any, log_dir: Path, split: Any = stages) -> dict[str, Any]:
+    """Rank ``rank``'s stage (made by ``split``) trained by ``schedule`` on the batches of
+    `train`."""
+    net = split(rank)
     stage = PipelineStage(net, rank, 2, CPU)
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
     seen: dict[str, Any] = {"hooks": hooks(net)}
@@ -145,7 +176,7 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     seen = {
         "gpipe": train_stage(rank, ScheduleGPipe, out / f"gpipe{rank}"),
-        "1f1b": train_stage(rank, Schedule1F1B, out / f"1f1b{rank}"),
+        "1f1b": train_stage(rank, Schedule1F1B, out / f"1f1b{rank}", split=keyed),
     }
     seen |= refusals(rank)
     seen["exchange"] = exchange(rank)
