@@ -26,9 +26,6 @@ COMBINE: dict[str, Callable[[list[float]], float]] = {
     "grad_norm_total": lambda v: math.sqrt(sum(x * x for x in v)),  # the squares add up
     "grad_norm_rest": lambda v: math.sqrt(sum(x * x for x in v)),
     "attn_heads_over_tau": sum,  # heads counted on each stage's blocks
-    # each stage's total after clipping over before: equal when the clipping scales every
-    # gradient alike (one total norm over the stages); the most clipped one otherwise
-    "grad_clip_factor": min,
 }
 # a stack's values that span its blocks: written again from the combined profiles
 SPANNING = ("grad_ratio", "resid_growth", "resid_slope")
@@ -68,7 +65,8 @@ def encoded(record: Record, held: Mapping[str, tuple[int, bool]]) -> bytes:
 
 
 def combined(step: int, payloads: Sequence[bytes]) -> Record:
-    """The stages' records (``payloads``, `encoded`, in stage order) as one."""
+    """The stages' records (``payloads``, `encoded`, in stage order: a stage's rank in its
+    group is its index) as one."""
     record = Record(step)
     several: dict[str, list[float]] = {}
     stages = [json.loads(payload) for payload in payloads]
