@@ -91,9 +91,10 @@ def attach(
         A `Probe`, also a context manager; ``probe.remove()`` is idempotent.
 
     Raises:
-        ValueError: unknown metric names (the closest one suggested), a bad ``every``, or a
-            family the model's tensor-parallel layout keeps from being read, named with the
-            reason (with the default metrics: a warning, the family left out).
+        ValueError: unknown metric names (the closest one suggested), a bad ``every``, a
+            family the model's tensor-parallel or pipeline layout keeps from being read, named
+            with the reason (with the default metrics: a warning, the family left out), or
+            ``pipeline`` without ``example_inputs``.
         RuntimeError: a probe is already attached to the model, the model is a pipeline
             stage not given as ``pipeline``, or a pipeline layout normprobe cannot combine
             (several stages a rank, pipeline with data parallelism, DeepSpeed's
