@@ -1,5 +1,5 @@
 """A pipeline stage's micro-batches: what each forward of a logged step measured combines into
-the whole batch's, each weighed by its size (`normprobe.runtime.packing.read_micro_batches`)."""
+the whole batch's, each weighted by its size (`normprobe.runtime.packing.read_micro_batches`)."""
 
 from __future__ import annotations
 
