@@ -53,10 +53,6 @@ class Stage:
     device: torch.device
     blocks: Mapping[str, tuple[int, int]]
 
-    @property
-    def last(self) -> bool:
-        return self.index == self.count - 1
-
 
 def held(plan: Any, stage: Stage) -> dict[str, tuple[int, bool]]:
     """Per stack (as tags name it): the global number of this stage's first block, and whether
@@ -75,15 +71,18 @@ def checked(model: nn.Module, pipeline: Any, persistent_hooks: bool) -> None:
     if pipeline is None:
         refuse_stage(model)
     elif persistent_hooks:
-        raise ValueError("normprobe keeps no persistent hooks on a pipeline stage")
+        raise ValueError(
+            "normprobe cannot keep persistent hooks (a compiled model's) on a pipeline stage: "
+            "each micro-batch's values are taken at its forward's end; attach without them"
+        )
     else:
         stage_of(model, pipeline)
 
 
-def stage_of(model: nn.Module, pipeline: Any) -> Any:
-    """``pipeline`` checked: a ``torch.distributed.pipelining`` stage that holds ``model`` and
-    is the only stage of its rank, in a world of stages only; a RuntimeError naming the layout
-    refused otherwise."""
+def stage_of(model: nn.Module, pipeline: Any) -> None:
+    """Check that ``pipeline`` is a ``torch.distributed.pipelining`` stage that holds ``model``
+    and is the only stage of its rank, in a world of stages only; a RuntimeError naming the
+    layout refused otherwise."""
     refuse_deepspeed(model)
     stage = sys.modules.get("torch.distributed.pipelining.stage")
     base = getattr(stage, "_PipelineStageBase", None)
@@ -108,7 +107,6 @@ def stage_of(model: nn.Module, pipeline: Any) -> Any:
             f"data parallelism ({world_size()} ranks): ranks would be combined both as stages "
             "and as copies; probe one pipeline (its stages in the default process group)"
         )
-    return pipeline
 
 
 def numbered(model_map: ModelMap, pipeline: Any) -> Stage:
@@ -118,16 +116,16 @@ def numbered(model_map: ModelMap, pipeline: Any) -> Stage:
     mine = (pipeline.stage_index, [(s.path, s.depth) for s in model_map.stacks])
     every: list[Any] = [None] * pipeline.group_size
     dist.all_gather_object(every, mine, group=pipeline.group)
-    every.sort(key=lambda held: held[0])
+    every.sort(key=lambda stage: stage[0])
     paths = [[path for path, _ in stacks] for _, stacks in every]
     if any(p != paths[0] for p in paths) or not paths[0]:
-        held = "; ".join(
+        found = "; ".join(
             f"stage {i}: {', '.join(f'{p} ({d} blocks)' for p, d in s) or 'no stack'}"
             for i, s in every
         )
         raise RuntimeError(
             "normprobe numbers a stack's blocks across pipeline stages when every stage holds "
-            f"part of the same stacks (at least 2 blocks of each), and found {held}"
+            f"part of the same stacks (at least 2 blocks of each), and found {found}"
         )
     blocks = {}
     for k, (path, _) in enumerate(every[0][1]):

@@ -83,6 +83,11 @@ def test_layouts_that_cannot_be_combined_are_refused(ranks: dict[int, dict[str, 
         assert seen["no_inputs"].startswith("ValueError: attach(..., pipeline=stage) maps")
         assert seen["outliers"].startswith("ValueError: normprobe cannot read outliers on Net")
         assert "do not combine into the batch's" in seen["outliers"]
+        assert seen["uneven"] == (
+            "RuntimeError: normprobe numbers a stack's blocks across pipeline stages when every "
+            "stage holds part of the same stacks (at least 2 blocks of each), and found stage 0: "
+            "blocks (3 blocks); stage 1: no stack"
+        )
         assert seen["data_parallel"] == (
             "RuntimeError: normprobe cannot combine pipeline parallelism (1 stages) with data "
             "parallelism (2 ranks): ranks would be combined both as stages and as copies; probe "

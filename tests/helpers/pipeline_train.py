@@ -139,6 +139,13 @@ def refusals(rank: int) -> dict[str, Any]:
     seen["looped"] = error_of(
         lambda: normprobe.attach(net, example_inputs=example(rank), pipeline=looped)
     )
+    # 3 blocks and 1: the last stage holds no stack
+    uneven = stages(rank)
+    uneven.blocks = nn.ModuleList(model().blocks[:3] if rank == 0 else model().blocks[3:])
+    lone = PipelineStage(uneven, rank, 2, CPU)
+    seen["uneven"] = error_of(
+        lambda: normprobe.attach(uneven, example_inputs=example(rank), pipeline=lone)
+    )
     # a stage per rank, each in a group of its own: pipelines side by side, data parallel
     groups = [dist.new_group([0]), dist.new_group([1])]
     alone = PipelineStage(net, 0, 1, CPU, group=groups[rank])
