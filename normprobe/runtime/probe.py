@@ -90,7 +90,7 @@ class Probe:
         )
         # read at the step: ZeRO's gradients, and a pipeline's (its schedule scales them by the
         # number of micro-batches after the last backward)
-        _gradients_at = "step" if (self._zero, pipeline) != (None, None) else _gradients_at
+        _gradients_at = "step" if self._zero is not None or pipeline is not None else _gradients_at
         # Accelerate's AcceleratedOptimizer holds the GradScaler of fp16 training (a stage-0
         # DeepSpeed engine its torch.autocast one)
         held = (scaler, getattr(optimizer, "scaler", None), getattr(self._zero, "scaler", None))
