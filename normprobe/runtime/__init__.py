@@ -40,6 +40,7 @@ def attach(
     max_block_tags: int = MAX_BLOCK_TAGS,
     spikes: Spikes | None = DEFAULT_SPIKES,
     scaler: Any = None,
+    pipeline: Any = None,
 ) -> Probe:
     """Attach a probe that logs the model's norm, residual and gradient statistics.
 
@@ -80,16 +81,24 @@ def attach(
             optimizer hands over its own, and one whose ``scaler.step(opt)`` steps the
             optimizer is found there. Needed only when the scaler unscales and the optimizer
             steps otherwise (a warning says so).
+        pipeline: the ``torch.distributed.pipelining`` stage (``PipelineStage``) that runs
+            ``model``, one stage a rank: each stage probes its blocks under their global
+            numbers and combines its micro-batches, and the stages' records are gathered into
+            the whole stack's once per logged step (rank 0 writes). Needs ``example_inputs``
+            (the stage's input): the stages learn their place in the stacks at attach.
 
     Returns:
         A `Probe`, also a context manager; ``probe.remove()`` is idempotent.
 
     Raises:
-        ValueError: unknown metric names (the closest one suggested), a bad ``every``, or a
-            family the model's tensor-parallel layout keeps from being read, named with the
-            reason (with the default metrics: a warning, the family left out).
-        RuntimeError: a probe is already attached to the model, or the model is a pipeline
-            stage (``torch.distributed.pipelining``: refused).
+        ValueError: unknown metric names (the closest one suggested), a bad ``every``, a
+            family the model's tensor-parallel or pipeline layout keeps from being read, named
+            with the reason (with the default metrics: a warning, the family left out), or
+            ``pipeline`` without ``example_inputs``.
+        RuntimeError: a probe is already attached to the model, the model is a pipeline
+            stage not given as ``pipeline``, or a pipeline layout normprobe cannot combine
+            (several stages a rank, pipeline with data parallelism, DeepSpeed's
+            ``PipelineModule``), named with the reason.
         OSError: ``log_dir`` cannot be created or written to (named, with the reason).
 
     Example::
@@ -108,8 +117,14 @@ def attach(
         sinks=sinks,
         spikes=spikes,
         scaler=scaler,
+        pipeline=pipeline,
     )
     try:
+        if pipeline is not None and example_inputs is None and example_kwargs is None:
+            raise ValueError(
+                "attach(..., pipeline=stage) maps the stage at attach: pass example_inputs= "
+                "(the stage's input: token ids on the first stage, hidden states on the others)"
+            )
         # under torch.distributed, rank 0 alone opens event files
         if is_writer() and (not sinks or log_dir is not None or writer is not None):
             probe.sinks.insert(0, TensorBoardSink(writer=writer, log_dir=log_dir))

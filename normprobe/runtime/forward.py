@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from torch import nn
@@ -26,6 +26,10 @@ class Forwards:
 
     def __init__(self, persistent: bool) -> None:
         self.persistent = persistent
+        # each forward of a step is a micro-batch: what it measured is published at its end
+        # and kept apart, to be combined with the others' (a pipeline stage)
+        self.micro_batches = False
+        self.size = 1.0  # the running forward's input elements, its weight among micro-batches
         self.recording = False
         self.measured = Measurements()
         self.hooks = Hooks(lambda: self.recording)
@@ -43,6 +47,8 @@ class Forwards:
         param_reduce: Reduce,
         holdings: Holdings,
         name_prefix: str,
+        blocks: Mapping[str, tuple[int, int]] | None,
+        pipeline: tuple[int, int] | None,
     ) -> ProbePlan:
         """Plan what ``families`` read on the mapped model (`ProbePlan`), and read it;
         ``root_post`` ends each forward (registered last: it runs after every read of the
@@ -57,6 +63,8 @@ class Forwards:
             holdings=holdings,
             compiled=self.persistent,
             name_prefix=name_prefix,
+            blocks=blocks,
+            pipeline=pipeline,
         )
         plan.install(families)
         self.armed.use(
@@ -93,10 +101,13 @@ class Forwards:
         if raised:
             # what it measured must not mix with a retried forward's
             self.clear()
+        elif self.micro_batches and self.plan is not None and self.recording:
+            self.plan.run("flush")
+            self.measured.end_forward(self.size)
         if not self.persistent:
             self.recording = False
             exit_modes(self.hooks.entered())
-            if not keep_armed:
+            if not keep_armed and not self.micro_batches:  # micro-batches: at the step's end
                 self.armed.disarm()
         return raised
 

@@ -3,6 +3,7 @@ per-module reads that metric families asked for, one pre-hook and one hook per m
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -292,3 +293,37 @@ class OptimizerSteps:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0:
             self.after()
+
+
+def unwrapped_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside a wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``): the object whose ``step`` the probe hooks."""
+    if optimizer is None:
+        return None
+    inner = optimizer
+    while True:  # a wrapper may subclass Optimizer without being the one that steps
+        held = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer", None)
+        if not isinstance(held, torch.optim.Optimizer) or held is inner:
+            break
+        inner = held
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer (or a wrapper holding one as "
+            f"`.optimizer`), got {type(optimizer).__qualname__}"
+        )
+    return inner
+
+
+def warn_no_step(model: nn.Module, forwards: int, has_optimizer: bool) -> None:
+    how = (
+        "its optimizer never stepped"
+        if has_optimizer
+        else "no optimizer was passed to attach() and probe.step() was never called"
+    )
+    warnings.warn(
+        f"normprobe: the probe saw {forwards} forward(s) of {type(model).__name__} but no "
+        f"training step ({how}), so nothing was logged: steps advance with attach(model, "
+        "optimizer=opt) and opt.step(), or with probe.step() after each step",
+        RuntimeWarning,
+        stacklevel=3,  # the caller of remove()
+    )

@@ -39,6 +39,8 @@ class Measurements:
     def __init__(self) -> None:
         self.whole: dict[int, tuple[Slot, torch.Tensor]] = {}  # by slot offset
         self.parts: list[tuple[Sequence[int], torch.Tensor]] = []
+        # what each earlier forward of the step measured, packed, and its size (`end_forward`)
+        self.forwards: list[tuple[list[int], torch.Tensor, float]] = []
 
     def put(self, slot: Slot, value: torch.Tensor) -> None:
         self.whole[slot.offset] = (slot, value)
@@ -53,13 +55,22 @@ class Measurements:
     def clear(self) -> None:
         self.whole.clear()
         self.parts.clear()
+        self.forwards.clear()
+
+    def end_forward(self, size: float) -> None:
+        """Keep what this forward measured apart: a micro-batch of ``size`` elements, combined
+        with the step's others by `read_micro_batches`."""
+        positions, packed = self.pack(torch.device("cpu"))
+        if positions:
+            self.forwards.append((positions, packed, size))
+        self.whole.clear()
+        self.parts.clear()
 
     def pack(self, device: torch.device) -> tuple[list[int], torch.Tensor]:
         """Everything as one float32 vector (on the device of what was measured, else
         ``device``), and each value's position."""
-        for _, value in self.whole.values():
-            device = value.device
-            break
+        held = [v for _, v in self.whole.values()] or [v for _, v in self.parts]
+        device = held[0].device if held else device
         scalar_positions: list[int] = []
         scalars: list[torch.Tensor] = []
         positions: list[int] = []
@@ -111,6 +122,41 @@ def read_back(
     return HostValues(*to_host(positions, packed, layout.size), validation)
 
 
+def read_micro_batches(
+    measured: Measurements, layout: Layout, device: torch.device, validation: bool
+) -> HostValues:
+    """What the step measured, on the host, in one transfer and no collective: the values of
+    its forwards (micro-batches) combined as ranks' are, means weighted by each one's size,
+    then those of the step."""
+    positions, packed = measured.pack(device)
+    total = layout.size
+    values, present = packed.new_zeros(total), packed.new_zeros(total)
+    if measured.forwards:
+        every = torch.stack(
+            [_dense(p, v.to(packed.device), total) for p, v, _ in measured.forwards]
+        )
+        sizes = torch.tensor([n for _, _, n in measured.forwards], device=packed.device)
+        values, count = _combined(every[:, :total], every[:, total:] > 0.5, layout, sizes)
+        present = (count > 0).float()
+    if positions:
+        index = torch.tensor(positions, dtype=torch.long, device=packed.device)
+        values = values.index_copy(0, index, packed)
+        present = present.index_fill(0, index, 1.0)
+    host = torch.cat([values, present]).tolist()  # the one transfer
+    return HostValues(host[:total], host[total:], validation)
+
+
+def _dense(positions: list[int], packed: torch.Tensor, total: int) -> torch.Tensor:
+    """``packed`` in the full layout (zeros elsewhere), then a presence flag per value."""
+    index = torch.tensor(positions, dtype=torch.long, device=packed.device)
+    return torch.cat(
+        [
+            packed.new_zeros(total).index_copy_(0, index, packed),
+            packed.new_zeros(total).index_fill_(0, index, 1.0),
+        ]
+    )
+
+
 def to_host(
     positions: list[int], packed: torch.Tensor, total: int
 ) -> tuple[list[float], list[float]]:
@@ -129,32 +175,38 @@ def combine_ranks(
     import torch.distributed as dist
 
     total = layout.size
-    index = torch.tensor(positions, dtype=torch.long, device=packed.device)
-    full = torch.cat(
-        [
-            packed.new_zeros(total).index_copy_(0, index, packed),
-            packed.new_zeros(total).index_fill_(0, index, 1.0),
-        ]
-    )
+    full = _dense(positions, packed, total)
     gathered = [torch.empty_like(full) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, full)  # the one collective of a logged step
     ranks = torch.stack(gathered)
-    values, present = ranks[:, :total], ranks[:, total:] > 0.5
+    out, count = _combined(ranks[:, :total], ranks[:, total:] > 0.5, layout)
+    host = torch.cat([out, (count > 0).float()]).tolist()  # the one transfer
+    return host[:total], host[total:]
+
+
+def _combined(
+    values: torch.Tensor, present: torch.Tensor, layout: Layout, sizes: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of values (ranks, or a step's micro-batches) combined by each position's
+    reduction, means weighted by the rows' ``sizes`` (None: alike), and how many rows hold
+    each position."""
+    total = layout.size
     count = present.sum(dim=0)
     kept = torch.where(present, values, torch.zeros((), device=values.device))
-    mean_of = count.clamp_min(1)
+    weights = torch.ones_like(values) if sizes is None else sizes[:, None].expand_as(values)
+    weights = torch.where(present, weights, torch.zeros((), device=values.device))
+    mean_of = weights.sum(dim=0).clamp_min(torch.finfo(values.dtype).tiny)
     combined = {
-        "mean": kept.sum(dim=0) / mean_of,
-        "rms": (kept.pow(2).sum(dim=0) / mean_of).sqrt(),
+        "mean": (weights * kept).sum(dim=0) / mean_of,
+        "rms": ((weights * kept.pow(2)).sum(dim=0) / mean_of).sqrt(),
         "sum": kept.sum(dim=0),
         "max": values.masked_fill(~present, -math.inf).amax(dim=0),
         "min": values.masked_fill(~present, math.inf).amin(dim=0),
     }
     out = torch.zeros(total, device=values.device)
-    for kind, where in layout.reduce_index(packed.device).items():
+    for kind, where in layout.reduce_index(values.device).items():
         out[where] = combined[kind][where]
-    host = torch.cat([out, (count > 0).float()]).tolist()  # the one transfer
-    return host[:total], host[total:]
+    return out, count
 
 
 def _moved(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -76,8 +76,11 @@ class ProbePlan:
         holdings: Holdings,
         compiled: bool,
         name_prefix: str,
+        blocks: Mapping[str, tuple[int, int]] | None = None,
+        pipeline: tuple[int, int] | None = None,
     ) -> None:
         self.model = model
+        self.pipeline = pipeline
         self.model_map = model_map
         self.modules: Mapping[str, nn.Module] = dict(model.named_modules(remove_duplicate=False))
         self.modules_in_order: Sequence[str] = [path for path, _ in model.named_modules()]
@@ -112,21 +115,35 @@ class ProbePlan:
         self._block_tags: dict[tuple[str, str], tuple[str, list[tuple[int, str]]]] = {}
         self._shared: dict[str, Any] = {}
         self._family: Family | None = None
+        # a pipeline stage's stacks: the global number of their first block here, and their
+        # depth over every stage (tags and profiles number blocks globally)
+        firsts = {s.path: 0 for s in model_map.stacks}
         self.depth = {s.path: s.depth for s in model_map.stacks}
-        # each block of a stack with weights of its own, as tags name it; where a block is
-        # several entries of a list (x-transformers' attention and feed-forward layers), each
-        # entry by its place in the block, so that their modules' tags stay apart
-        self._blocks = {
-            block: f"{self.stack_name(s.path)}/{tags.block_label(b, s.depth)}"
+        for path, (first, depth) in (blocks or {}).items():
+            firsts[path], self.depth[path] = first, depth
+        self.first: Mapping[str, int] = firsts
+        self._blocks = self._block_names()
+        self._full_names = self._sharing_a_tag()
+
+    def _block_names(self) -> dict[str, str]:
+        """How tags name each block of a stack with weights of its own; where a block is several
+        entries of a list (x-transformers' attention and feed-forward layers), each entry by its
+        place in the block, so that their modules' tags stay apart."""
+        return {
+            block: f"{self.stack_name(s.path)}/"
+            f"{tags.block_label(self.first[s.path] + b, self.depth[s.path])}"
             + (f".{k}" if len(members) > 1 else "")
             for s in self.stacks()
             for b, members in enumerate(s.members or tuple((blk,) for blk in s.blocks))
             for k, block in enumerate(members)
         }
+
+    def _sharing_a_tag(self) -> set[str]:
+        """The measured norm and attention modules whose short tag another one has too."""
         by_tag: dict[str, list[str]] = {}
         for path in [*(n.path for n in self.norms), *(a.path for a in self.attention)]:
             by_tag.setdefault(self._short_tag(path), []).append(path)
-        self._full_names = {p for paths in by_tag.values() if len(paths) > 1 for p in paths}
+        return {p for paths in by_tag.values() if len(paths) > 1 for p in paths}
 
     def install(self, families: Iterable[Family]) -> None:
         for family in families:
@@ -330,6 +347,8 @@ class RecordOut:
 
     def per_block(self, series: str, stack: str, values: Mapping[int, float]) -> None:
         profile, blocks = self._plan.block_tags(series, stack)
+        first = self._plan.first[stack]
+        values = {first + b: v for b, v in values.items()}
         scalars = self.record.scalars
         for b, tag in blocks:
             if b in values:

@@ -19,12 +19,14 @@ from ..metrics import DEFAULTS, METRICS, chosen, family
 from ..metrics.core.base import Reduce
 from ..metrics.core.params import OwnTensors
 from ..sinks import Record, Sink
-from . import pipeline, tensor_parallel
+from . import pipeline as pp
+from . import tensor_parallel
 from .backward_end import BackwardEnd
 from .ds_engine import Engine0
 from .forward import Forwards
-from .hooks import OptimizerSteps, ProbeHook
-from .packing import read_back
+from .hooks import OptimizerSteps, ProbeHook, unwrapped_optimizer, warn_no_step
+from .packing import read_back, read_micro_batches
+from .pipeline_records import Exchange, combined, encoded
 from .plan import ProbePlan
 from .scaler import loss_scale, stepping_scaler
 from .spikes import Spikes, SpikeWatch
@@ -53,8 +55,11 @@ class Probe:
     for module names, their optimizer when it may be DeepSpeed's ZeRO (then gradients are
     read when its step starts, and `before_optimizer_step` is theirs to skip), and where
     gradients are read (``"step"``: in `before_optimizer_step`, which the driver calls where
-    they are complete, unscaled and not clipped).
+    they are complete, unscaled and not clipped). ``pipeline``: the
+    ``torch.distributed.pipelining`` stage that runs the model (`normprobe.runtime.pipeline`).
     """
+
+    stage: pp.Stage | None = None  # a pipeline stage's place in its stacks, once mapped
 
     def __init__(
         self,
@@ -75,14 +80,17 @@ class Probe:
         _zero_optimizer: Any = None,
         _gradients_at: Literal["backward", "step"] = "backward",
         _clip_norm: float | None = None,
+        pipeline: Any = None,
     ) -> None:
         _check_arguments(model, every, max_block_tags)
-        pipeline.refuse_stage(model)
-        self.model = model
+        pp.checked(model, pipeline, persistent_hooks)
+        self.model, self._pipeline = model, pipeline
         spikes = self._find_deepspeed(
             optimizer if optimizer is not None else _zero_optimizer, spikes
         )
-        _gradients_at = "step" if self._zero is not None else _gradients_at
+        # read at the step: ZeRO's gradients, and a pipeline's (its schedule scales them by the
+        # number of micro-batches after the last backward)
+        _gradients_at = "step" if self._zero is not None or pipeline is not None else _gradients_at
         # Accelerate's AcceleratedOptimizer holds the GradScaler of fp16 training (a stage-0
         # DeepSpeed engine its torch.autocast one)
         held = (scaler, getattr(optimizer, "scaler", None), getattr(self._zero, "scaler", None))
@@ -140,6 +148,10 @@ class Probe:
         if self._tensor_parallel is not None:
             refused = tensor_parallel.refused_at_attach(self.model, self._tensor_parallel)
             kept = tensor_parallel.checked(self.model, kept, self._explicit, refused)
+        if self._pipeline is not None:
+            kept = tensor_parallel.checked(
+                self.model, kept, self._explicit, pp.REFUSED, pp.SUPPORTED
+            )
         return kept if self._zero is not None else without_partitioned(self.model, kept)
 
     def _hook_steps(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -164,6 +176,10 @@ class Probe:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DiscoveryWarning)  # one summary warning instead
             model_map = discover(self.model, *args, **kwargs)
+        if self._pipeline is not None:  # one collective, on every stage alike
+            self.stage = pp.numbered(model_map, self._pipeline)
+            self._exchange = Exchange(self.stage.group, self.stage.device)
+            self._forwards.micro_batches = True
         self._install(model_map)
 
     def discover_lazily(self) -> None:
@@ -173,7 +189,7 @@ class Probe:
         @torch.compiler.disable  # type: ignore[untyped-decorator]
         def first(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self._discovery_hook.remove()
-            pipeline.refuse_call()
+            pp.refuse_call()
             self.discover_now(*args, **kwargs)
             self.start_forward()
 
@@ -200,6 +216,8 @@ class Probe:
             param_reduce=self._param_reduce,
             holdings=self._zero or OwnTensors(),
             name_prefix=self.name_prefix,
+            blocks=None if self.stage is None else self.stage.blocks,
+            pipeline=None if self.stage is None else (self.stage.index, self.stage.count),
         )
         self.model_map, self._plan = model_map, plan
         plan.clip_norm = self._clip_norm
@@ -221,10 +239,14 @@ class Probe:
         spikes = -1 if self._spikes is None else self._spikes.capture_until
         return spikes if self._plan is None else max(spikes, self._plan.capture_until)
 
-    def _root_pre(self, *_: Any) -> None:
+    def _root_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._pipeline is not None:
+            if pp.inferring():
+                return  # the schedule's forward that finds the stage's output shapes
+            self._forwards.size = pp.micro_batch_size(args)
         self._forward_count += 1
-        if self._forward_count == 1:
-            pipeline.refuse_call()
+        if self._forward_count == 1 and self._pipeline is None:
+            pp.refuse_call()
         if self.optimizer is not None:
             self._steps.forward_started()
         self.start_forward()
@@ -375,22 +397,33 @@ class Probe:
 
         Under ``torch.distributed`` every rank must call it on the same steps: the ranks' values
         are combined with one collective (mean of squares for RMS, max of maxima, ...), and
-        only global rank zero writes.
+        only global rank zero writes. A pipeline stage combines its micro-batches itself, and
+        one all-gather hands every stage the stages' records (`pipeline_records`).
         """
         plan = self._plan
         if plan is None:
             return
-        plan.run("flush", validation)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        if not self._ranks_checked and world_size() > 1 and pipeline.PIPELINING in sys.modules:
-            pipeline.same_blocks_everywhere(plan.modules_in_order, device)
-        self._ranks_checked = True
-        values = read_back(self._forwards.measured, plan.layout, device, validation)
-        self._forwards.clear()
-        if values is None:
-            return
         writes = is_writer()
-        record = plan.record(values, self.step_count, writes)
+        if self.stage is not None:  # the forwards published theirs: micro-batches
+            values = read_micro_batches(self._forwards.measured, plan.layout, device, validation)
+            held = pp.held(plan, self.stage)  # before the clear: what the forwards handed on
+            self._forwards.clear()
+            # armed for the step's every micro-batch (a hook added while the root's own hooks
+            # run misses that call): `begin_step` arms the next logged one
+            self._forwards.armed.disarm()
+            mine = encoded(plan.record(values, self.step_count, writes), held)
+            record = combined(self.step_count, self._exchange(mine))
+        else:
+            plan.run("flush", validation)
+            if not self._ranks_checked and world_size() > 1 and pp.PIPELINING in sys.modules:
+                pp.same_blocks_everywhere(plan.modules_in_order, device)
+            self._ranks_checked = True
+            read = read_back(self._forwards.measured, plan.layout, device, validation)
+            self._forwards.clear()
+            if read is None:
+                return
+            record = plan.record(read, self.step_count, writes)
         if not validation:
             self.latest = record
         if writes:
@@ -421,7 +454,7 @@ class Probe:
         # removed while an exception propagates: that exception is the story, not the steps
         unwinding = sys.exc_info()[0] is not None
         if self._forward_count and not self._steps_ended and not unwinding and is_writer():
-            _warn_no_step(self.model, self._forward_count, self.optimizer is not None)
+            warn_no_step(self.model, self._forward_count, self.optimizer is not None)
         self._forwards.stop()
         if self._backward is not None:
             self._backward.remove()
@@ -442,40 +475,6 @@ class Probe:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
-
-
-def _warn_no_step(model: nn.Module, forwards: int, has_optimizer: bool) -> None:
-    how = (
-        "its optimizer never stepped"
-        if has_optimizer
-        else "no optimizer was passed to attach() and probe.step() was never called"
-    )
-    warnings.warn(
-        f"normprobe: the probe saw {forwards} forward(s) of {type(model).__name__} but no "
-        f"training step ({how}), so nothing was logged: steps advance with attach(model, "
-        "optimizer=opt) and opt.step(), or with probe.step() after each step",
-        RuntimeWarning,
-        stacklevel=3,  # the caller of remove()
-    )
-
-
-def unwrapped_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer inside a wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
-    ``LightningOptimizer``): the object whose ``step`` the probe hooks."""
-    if optimizer is None:
-        return None
-    inner = optimizer
-    while True:  # a wrapper may subclass Optimizer without being the one that steps
-        held = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer", None)
-        if not isinstance(held, torch.optim.Optimizer) or held is inner:
-            break
-        inner = held
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer (or a wrapper holding one as "
-            f"`.optimizer`), got {type(optimizer).__qualname__}"
-        )
-    return inner
 
 
 def _check_arguments(model: nn.Module, every: int, max_block_tags: int) -> None:

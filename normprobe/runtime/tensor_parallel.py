@@ -193,17 +193,21 @@ def head_splits(model: nn.Module, attention: Sequence[str]) -> dict[str, tuple[i
 
 
 def checked(
-    model: nn.Module, metrics: tuple[str, ...], explicit: bool, refused: dict[str, str]
+    model: nn.Module,
+    metrics: tuple[str, ...],
+    explicit: bool,
+    refused: dict[str, str],
+    supported: str = SUPPORTED,
 ) -> tuple[str, ...]:
     """``metrics`` less the ``refused`` ones: a ValueError naming them when the user chose
-    them (``explicit``), else a warning."""
+    them (``explicit``), else a warning; ``supported``: what the layout supports."""
     dropped = {m: why for m, why in refused.items() if m in metrics}
     if not dropped:
         return metrics
     lines = "; ".join(f"{m} ({why})" for m, why in dropped.items())
     text = (
         f"normprobe cannot read {', '.join(dropped)} on {type(model).__name__}: {lines}. "
-        f"{SUPPORTED}; leave them out of metrics=[...]"
+        f"{supported}; leave them out of metrics=[...]"
     )
     if explicit:
         raise ValueError(text)

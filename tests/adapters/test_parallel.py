@@ -3,62 +3,27 @@ tests/helpers/parallel_train.py.
 
 Tensor parallelism with FSDP2 on a 2x2 mesh reads what one process reads on the same model,
 weights and batch, with sequence parallelism or not; what it cannot read (per-channel outlier
-statistics under sequence parallelism, the logits of a split output head) and pipeline stages
-are refused by name.
+statistics under sequence parallelism, the logits of a split output head) is refused by name.
+Pipeline parallelism: tests/adapters/test_pipeline.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launch import flat, run_ranks
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.distributed]
 
 SCRIPT = Path(__file__).parents[1] / "helpers" / "parallel_train.py"
-PIPELINE = "normprobe does not support pipeline parallelism"
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("parallel")
-    path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(out), str(rank), port],
-            cwd=out,
-            env={**os.environ, "PYTHONPATH": path},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(4)
-    ]
-    for rank, proc in enumerate(procs):
-        try:
-            log, _ = proc.communicate(timeout=300)  # a deadlock would hang here
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        assert proc.returncode == 0, f"rank {rank}:\n{log[-3000:]}"
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4)}
-
-
-def _flat(record: dict[str, Any]) -> dict[str, float]:
-    flat = dict(record["scalars"])
-    for tag, values in record["profiles"].items():
-        flat |= {f"{tag}[{i}]": v for i, v in enumerate(values)}
-    return flat
+    return run_ranks(SCRIPT, tmp_path_factory.mktemp("parallel"), 4)
 
 
 def test_tensor_parallel_reads_what_one_process_reads(ranks: dict[int, dict[str, Any]]) -> None:
@@ -66,7 +31,7 @@ def test_tensor_parallel_reads_what_one_process_reads(ranks: dict[int, dict[str,
     assert tp["metrics"] == single["metrics"] and "attn_logits_head" in tp["metrics"]
     assert tp["warnings"] == []
     for step in ("0", "2"):
-        got, want = _flat(tp[step]), _flat(single[step])
+        got, want = flat(tp[step]), flat(single[step])
         # every block's gradients, weights, streams, norms, attention heads, and the logits
         assert len(want) > 150
         assert got.keys() == want.keys()
@@ -97,7 +62,7 @@ def test_sequence_parallel_reads_its_part_of_the_sequence(
     sp, single = ranks[0]["sp"], ranks[0]["single"]
     assert "outliers" not in sp["metrics"] and sp["warnings"] == []
     for step in ("0", "2"):
-        got, want = _flat(sp[step]), _flat(single[step])
+        got, want = flat(sp[step]), flat(single[step])
         gone = {t for t in want if t.startswith("normprobe/outlier")}
         assert got.keys() == want.keys() - gone and len(got) > 130
         for tag, value in got.items():
@@ -111,12 +76,3 @@ def test_sequence_parallel_reads_its_part_of_the_sequence(
     assert said.startswith("RuntimeWarning: normprobe cannot read outliers on FSDPNet")
     assert "sequence parallelism (blocks.0.attn.out: RowwiseParallel)" in said
     assert ranks[1]["sp_defaults"] == "none"  # rank 0 alone warns
-
-
-def test_pipeline_stages_are_refused(ranks: dict[int, dict[str, Any]]) -> None:
-    for rank in (0, 1):
-        seen = ranks[rank]
-        assert seen["stage"].startswith(f"RuntimeError: {PIPELINE}")
-        assert seen["stage"].endswith("module of a torch.distributed.pipelining PipelineStage")
-        assert seen["schedule"].endswith("the model runs in a pipelining schedule")
-        assert seen["blocks"].endswith("the ranks probe different blocks")

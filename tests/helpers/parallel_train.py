@@ -1,14 +1,14 @@
-"""Tensor- and pipeline-parallel training on CPU (gloo) with NormProbe, run by
+"""Tensor-parallel training on CPU (gloo) with NormProbe, run by
 tests/adapters/test_parallel.py.
 
     python tests/helpers/parallel_train.py OUT_DIR RANK PORT   # ranks 0..3
 
 Ranks 0..3 first train `Net` with tensor parallelism on a 2x2 mesh (``dp`` x ``tp``:
 ``ColwiseParallel`` on q, k, v and the first MLP layer, ``RowwiseParallel`` on the output and
-the second MLP layer, ``fully_shard`` over ``dp``), then ranks 0 and 1 run it as a 2-stage
-pipeline (``torch.distributed.pipelining``, GPipe, 2 micro-batches). Each rank writes
-rank<r>.json: what ``attach`` and the first steps did under each layout (the record written,
-or the error raised), and the collectives normprobe issued.
+the second MLP layer, ``fully_shard`` over ``dp``). Each rank writes rank<r>.json: what
+``attach`` and the first steps did under each layout (the record written, or the error
+raised), and the collectives normprobe issued. `stages` splits `Net` into the 2 stages of a
+pipeline (tests/helpers/pipeline_train.py).
 """
 
 from __future__ import annotations
@@ -274,39 +274,6 @@ def stages(rank: int) -> Net:
     return net
 
 
-def pipeline_checks(rank: int) -> dict[str, Any]:
-    """Ranks 0 and 1 as the 2 stages of a pipeline (GPipe, 2 micro-batches)."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
-    seen: dict[str, Any] = {}
-    # a stage's module, held by its PipelineStage: refused at attach
-    net = stages(rank)
-    stage = PipelineStage(net, rank, 2, torch.device("cpu"))
-    seen["stage"] = error_of(lambda: normprobe.attach(net, metrics=["grad_norm"]))
-    del stage
-    # attached before the stage was made: refused at the first forward a schedule runs (a
-    # one-stage schedule per rank here, so that no rank waits for another that stopped)
-    net = stages(rank)
-    probe = normprobe.attach(net, metrics=["grad_norm"])
-    group = dist.new_group([0]) if rank == 0 else dist.new_group([1])
-    schedule = ScheduleGPipe(PipelineStage(net, 0, 1, torch.device("cpu"), group=group), 2)
-    x = batches()[0] if rank == 0 else torch.randn(BATCH, SEQ, WIDTH)
-    seen["schedule"] = error_of(lambda: schedule.step(x))
-    probe.remove()
-    # stages run by hand: the ranks probe different blocks, found at the first logged step
-    net = stages(rank)
-    opt = torch.optim.SGD(net.parameters(), lr=0.5)
-    probe = normprobe.attach(net, opt, metrics=["grad_norm"], sinks=[normprobe.MemorySink()])
-
-    def step() -> None:
-        net(x).float().pow(2).mean().backward()
-        opt.step()
-
-    seen["blocks"] = error_of(step)
-    probe.remove()
-    return seen
-
-
 def main() -> None:
     out, rank, port = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(1)
@@ -314,11 +281,6 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=4)
     seen = tensor_parallel_checks()
     dist.destroy_process_group()
-    if rank < 2:
-        os.environ["MASTER_PORT"] = str(port + 1)
-        dist.init_process_group("gloo", rank=rank, world_size=2)
-        seen |= pipeline_checks(rank)
-        dist.destroy_process_group()
     if rank == 0:
         seen["single"] = train(model(), METRICS)
     (out / f"rank{rank}.json").write_text(json.dumps(seen))

@@ -108,6 +108,10 @@ class Plan(Protocol):
     model_map: ModelMap
     modules: Mapping[str, nn.Module]
     modules_in_order: Sequence[str]  # every module's path, in ``model.modules()`` order
+    # a pipeline stage: (its index, the number of stages), else None; and the global number of
+    # each stack's first block held here, by path (0 but on a pipeline's later stages)
+    pipeline: tuple[int, int] | None
+    first: Mapping[str, int]
     norms: Sequence[NormLayer]  # the norm layers measured (at most max_block_tags per position)
     attention: Sequence[Attention]  # likewise for attention modules
     param_reduce: Reduce  # "mean", or "sum" when every rank holds a shard of the parameters

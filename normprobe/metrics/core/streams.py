@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -44,10 +45,15 @@ class Streams:
         self._copied: set[str] = set()  # stacks whose streams change in place after the read
         self._compiled = plan.compiled
         self._learned = plan.compiled
+        # a pipeline stage that hands its output on: per stack, whether every forward's output
+        # was the stream its last block left (the next stage's first cosine needs it)
+        self.hands_on: dict[str, bool] = {}
         plan.at_forward_start(self._clear)
         plan.on_clear(self._clear)
+        plan.on_clear(self.hands_on.clear)
         plan.at_forward_end(self._end)
         model_map = plan.model_map
+        self._pipeline(plan)
         for stack in model_map.stacks:
             last = {a.block: a for a in model_map.adds_in(stack.path) if a.block is not None}
             for block, add in sorted(last.items()):
@@ -66,6 +72,34 @@ class Streams:
                     plan.read(
                         add.anchor.module, hook, action, call=add.anchor.call, key=add.anchor.key
                     )
+
+    def _pipeline(self, plan: Plan) -> None:
+        """On a pipeline's stage, the stream of the block before its first (its input, on a
+        later stage of a one-stack model) and the one it hands on (its output)."""
+        stacks = [s.path for s in plan.model_map.stacks]
+        if plan.pipeline is None or len(stacks) != 1:
+            return
+        index, count = plan.pipeline
+        if index > 0:
+            plan.read("", "pre", partial(self._received, stacks[0]))
+        if index < count - 1:
+            plan.read("", "post", partial(self._handed, stacks[0]))
+
+    def _received(self, stack: str, t: torch.Tensor) -> None:
+        if self.cosines:
+            self._keep(stack, -1, t.detach(), probes.row_norms(t))
+
+    def _handed(self, stack: str, t: torch.Tensor) -> None:
+        last = self.blocks.get(stack, [None])[-1]
+        prev = self._prev.get(stack)
+        same = (
+            prev is not None
+            and prev[0] == last
+            and prev[2].data_ptr() == t.data_ptr()
+            and prev[2].shape == t.shape
+            and prev[2].stride() == t.stride()
+        )
+        self.hands_on[stack] = self.hands_on.get(stack, True) and same
 
     @staticmethod
     def of(plan: Plan) -> Streams:
@@ -92,6 +126,11 @@ class Streams:
             return t.clone()
         return t
 
+    def _keep(self, stack: str, block: int, t: torch.Tensor, norms: torch.Tensor) -> None:
+        """Keep block ``block``'s stream ``t`` for the next block's cosine."""
+        version = -1 if self._compiled or t.is_inference() else t._version
+        self._prev[stack] = (block, self._held(stack, t), t, version, norms)
+
     def _reader(self, stack: str, block: int) -> Callable[[torch.Tensor], None]:
         reads = self.reads.setdefault(stack, [])
 
@@ -112,8 +151,7 @@ class Streams:
                 fresh = not (changed and held is original)
                 if fresh and before == block - 1 and held.shape == t.shape:
                     here.dots, here.prev_norms = probes.row_dots(held, t), prev_norms
-            version = -1 if self._compiled or t.is_inference() else t._version
-            self._prev[stack] = (block, self._held(stack, t), t, version, here.norms)
+            self._keep(stack, block, t, here.norms)
 
         return read
 
