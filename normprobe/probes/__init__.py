@@ -31,7 +31,7 @@ from .attention import (
     mha_qk,
     sdpa_logit_max,
 )
-from .base import feature_dim, sample_stride
+from .base import feature_dim, plain, sample_stride
 from .outliers import MEDIAN_SAMPLE, OutlierParts, outlier_parts, outlier_stats, outlier_stats_many
 from .shards import is_sharded, local, local_part, shard_share
 from .squares import (
@@ -77,6 +77,7 @@ __all__ = [
     "outlier_parts",
     "outlier_stats",
     "outlier_stats_many",
+    "plain",
     "rms",
     "rms_from_row_norms",
     "rms_many",

@@ -9,13 +9,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .base import feature_dim, stack_scalars, wide_dtype
+from .base import feature_dim, plain, stack_scalars, wide_dtype
 from .shards import any_dtensor, local, local_part
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:
     """Root mean square of all elements: sqrt(mean(x^2)), reduced in float32 or wider."""
-    return torch.linalg.vector_norm(x.detach(), dtype=wide_dtype(x)) / math.sqrt(max(x.numel(), 1))
+    return torch.linalg.vector_norm(plain(x), dtype=wide_dtype(x)) / math.sqrt(max(x.numel(), 1))
 
 
 def rms_many(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -30,7 +30,7 @@ def rms_many(tensors: list[torch.Tensor]) -> torch.Tensor:
 def row_norms(x: torch.Tensor) -> torch.Tensor:
     """L2 norm of the feature vector (along `feature_dim`) at each position, flattened into one
     vector, in float32 or wider. Its own L2 norm is ``x``'s."""
-    return torch.linalg.vector_norm(x.detach(), dim=feature_dim(x), dtype=wide_dtype(x)).reshape(-1)
+    return torch.linalg.vector_norm(plain(x), dim=feature_dim(x), dtype=wide_dtype(x)).reshape(-1)
 
 
 def rms_from_row_norms(norms: torch.Tensor, numel: int) -> torch.Tensor:
@@ -43,7 +43,7 @@ def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Dot product of ``a`` and ``b`` along `feature_dim` at each position, flattened like
     `row_norms`, in float32 or wider."""
     wide, dim = wide_dtype(a), feature_dim(a)
-    a, b = (t.detach() if t.dtype == wide else t.detach().to(wide) for t in (a, b))
+    a, b = (plain(t) if t.dtype == wide else plain(t).to(wide) for t in (a, b))
     return torch.linalg.vecdot(a, b, dim=dim).reshape(-1)
 
 
@@ -126,7 +126,7 @@ def finite_sum(x: torch.Tensor) -> torch.Tensor:
     One pass, read back with the step's other statistics (a sum overflows only for entries
     near 1e38 / numel, far past any trained network's activations).
     """
-    return local_part(x).detach().sum(dtype=torch.float32)
+    return plain(local_part(x)).sum(dtype=torch.float32)
 
 
 def finite_sums(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -45,3 +45,9 @@ def sample_stride(shape: tuple[int, ...], budget: int) -> int:
 
 def _is_prime(n: int) -> bool:
     return n >= 2 and all(n % d for d in range(2, math.isqrt(n) + 1))
+
+
+def plain(x: torch.Tensor) -> torch.Tensor:
+    """``x`` outside autograd: detached where it requires a gradient, else itself (a detach is
+    one more dispatch for each of the many small tensors a logged step reads)."""
+    return x.detach() if x.requires_grad else x

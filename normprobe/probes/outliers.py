@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .base import feature_dim, sample_stride, wide_dtype
+from .base import feature_dim, plain, sample_stride, wide_dtype
 
 # The median |x| of `outlier_parts` is taken over an evenly strided sample of at most this many
 # entries (all of them in smaller tensors): a sort of a whole stream costs a block's forward, and
@@ -26,7 +26,7 @@ def outlier_parts(x: torch.Tensor) -> OutlierParts:
 
     Reduced in float32 or wider; the max and min are exact in ``x``'s own dtype.
     """
-    x = x.detach()
+    x = plain(x)
     if x.ndim == 1:
         x = x.unsqueeze(0)  # one position
     wide, dim = wide_dtype(x), feature_dim(x) % x.ndim

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from ... import probes
 from .base import Plan
 
 
@@ -48,7 +49,7 @@ class Batch:
         plan.on_clear(self.clear)
 
     def add(self, position: int, t: torch.Tensor) -> None:
-        t = t.detach()
+        t = probes.plain(t)
         if not self.tracked or t.is_inference():  # no version to look at
             self.done.append(([position], self.reduce_many([t])))
             return

@@ -87,7 +87,7 @@ class Streams:
 
     def _received(self, stack: str, t: torch.Tensor) -> None:
         if self.cosines:
-            self._keep(stack, -1, t.detach(), probes.row_norms(t))
+            self._keep(stack, -1, probes.plain(t), probes.row_norms(t))
 
     def _handed(self, stack: str, t: torch.Tensor) -> None:
         last = self.blocks.get(stack, [None])[-1]
@@ -135,7 +135,7 @@ class Streams:
         reads = self.reads.setdefault(stack, [])
 
         def read(t: torch.Tensor) -> None:
-            t = t.detach()
+            t = probes.plain(t)
             here = StreamRead(block, t.numel(), probes.row_norms(t))
             reads.append(here)
             for watch in self.watchers:
