@@ -1,15 +1,20 @@
 """On every architecture of the zoos (real Hugging Face, timm, torchvision, vit-pytorch,
 x-transformers, pytorch-cifar-models, diffusers and open_clip models, and the hand-built ones),
-each norm layer's logged input and output RMS equal what plain forward hooks compute from a copy
-taken as the tensor passes, on the first logged forward and a later one, and every norm has a
-tag of its own.
+what the probe logs equals what is computed by hand from the model:
 
-The class of bug this holds off: a value read later than the tensor passed (a BatchNorm's
-output after ``ReLU(inplace=True)``), or two norms sharing one tag (the sublayers of one block).
+* each norm layer's input and output RMS, against plain forward hooks that copy the tensor as
+  it passes, on the first logged forward and a later one; every norm has a tag of its own;
+* each block's gradient norm (the parameters of the block's modules) and the total gradient
+  norm, against the parameters' ``.grad``.
+
+The classes of bug this holds off: a value read later than the tensor passed (a BatchNorm's
+output after ``ReLU(inplace=True)``), two norms sharing one tag (the sublayers of one block), a
+block's parameters grouped wrong (blocks of several entries, tied or shared weights).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -105,3 +110,51 @@ def test_each_norm_is_logged_as_it_passed(name: str) -> None:
                     )
                     assert len(logged) == len(paths), f"{side}: norms sharing a tag"
                     assert logged == pytest.approx(expected[side], rel=1e-4), side
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_each_block_gradient_norm_is_its_parameters(name: str) -> None:
+    torch.manual_seed(0)
+    model, args, kwargs = BUILDERS[name]()
+    model.eval()  # no dropout: the gradients are those of the forward probed
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with normprobe.attach(
+            model, opt, every=1, sinks=[normprobe.MemorySink()], metrics=["grad_norm"]
+        ) as probe:
+            out = _first_float(model(*args, **kwargs))
+            assert out is not None
+            out.float().pow(2).mean().backward()
+            squares = {
+                id(p): p.grad.double().pow(2).sum().item()
+                for p in model.parameters()
+                if p.grad is not None
+            }
+            opt.step()
+    record, model_map = probe.latest, probe.model_map
+    assert record is not None and model_map is not None
+    total = math.sqrt(sum(squares.values()))
+    assert record.scalars["normprobe/grad_norm_total/model"] == pytest.approx(total, rel=1e-4)
+    profiles = {k: v for k, v in record.profiles.items() if k.startswith("normprobe/grad_norm/")}
+    for stack in model_map.stacks:
+        if stack.repeated:  # one module's parameters: every block holds them
+            continue
+        by_hand = [
+            math.sqrt(
+                sum(
+                    squares.get(id(p), 0.0)
+                    for path in members
+                    for p in model.get_submodule(path).parameters()
+                )
+            )
+            for members in stack.members or tuple((b,) for b in stack.blocks)
+        ]
+        assert any(
+            len(logged) == len(by_hand)
+            and all(
+                (math.isnan(a) and b == 0) or a == pytest.approx(b, rel=1e-4, abs=1e-12)
+                for a, b in zip(logged, by_hand, strict=True)
+            )
+            for logged in profiles.values()
+        ), (stack.path, by_hand, profiles)
