@@ -229,11 +229,13 @@ class _Prober:
         gen = torch.Generator(device="cpu").manual_seed(0)
         if _constant(x):  # all zeros (a branch zero at init) or one value: it shows nothing
             x = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device)
-        # probe at a size where eps is negligible: every test below is relative to it
+        # probe at a size where eps is negligible: every test below is relative to it (a
+        # vanishing input, 1e-16 after many layers without norms, too)
         self.size = max(10.0, 100 * math.sqrt(eps)) if eps else 10.0
-        self.x = (x * self.size / x.pow(2).mean().sqrt().clamp_min(1e-12)).to(found[1].dtype)
+        x = x * self.size / x.pow(2).mean().sqrt().clamp_min(1e-300)
+        self.x = x.to(found[1].dtype)
         noise = torch.randn(x.shape, generator=gen, dtype=torch.float64)
-        noise -= (noise * x).sum() / x.pow(2).sum().clamp_min(1e-30) * x  # never parallel to x
+        noise -= (noise * x).sum() / x.pow(2).sum() * x  # never parallel to x
         self.noise = (self.size * noise / noise.pow(2).mean().sqrt()).to(self.x)
         self.params = {
             name: (1 + 0.1 * torch.randn(p.shape, generator=gen)).to(p)

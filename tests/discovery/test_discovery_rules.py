@@ -85,6 +85,25 @@ def test_user_rmsnorm_is_found_by_behaviour_with_eps_placement() -> None:
         assert m.stacks[0].placement == "pre-ln"
 
 
+@pytest.mark.parametrize("scale", [1e-16, 1e-30, 1e4])
+def test_a_user_rmsnorm_is_found_whatever_the_scale_of_its_input(scale: float) -> None:
+    # a signal that vanished through many layers without norms (1e-16 at init) reaches a final
+    # norm whose eps dominates it there: probed at a size where eps is negligible, it normalizes
+    class Vanishing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = Scaler(32, 1e-6, False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.norm(x * scale)
+            return out
+
+    m = normprobe.discover(Vanishing(), torch.randn(4, 8, 32))
+    assert [(n.path, n.kind, n.eps_placement) for n in m.norms] == [
+        ("norm", "rmsnorm", "inside-sqrt")
+    ]
+
+
 @pytest.mark.parametrize(
     ("make", "kind", "layout"),
     [
