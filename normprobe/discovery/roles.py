@@ -161,14 +161,14 @@ def _after_sum(
     stream goes on around the norm): ``post`` wherever it sits, except after
     a stack's last add when the same add of most other blocks has no norm on its sum (one
     block without, as a first sublayer left unnormalized, does not decide): then it closes
-    the stack (``final``) if it sits in no block the stack is not in, and belongs to what
-    follows (a downsample) otherwise."""
+    the stack (``final``) if it sits in the stack's last block or in no block the stack is not
+    in, and belongs to what follows (a downsample) otherwise."""
     if _bypassed(scene, scene.adds[i].out, norm):
         return None  # the stream goes on around the norm: it does not normalize the sum
     stack, block = scene.add_where[i]
     if stack is None and pre_normed[i]:
         return None  # one Pre-LN block: the norm after it closes the model, not the block
-    if stack is None or scene.inside(norm, stack):
+    if stack is None:
         return "post"
     mine = [j for j, (s, _) in enumerate(scene.add_where) if s == stack]
     if mine[-1] != i:
@@ -182,6 +182,8 @@ def _after_sum(
             following += 1
     if 2 * following > len(others):  # most blocks normalize this sum: the last one too
         return "post"
+    if scene.inside(norm, stack):  # the last block's own (timm's SwinV2-CR extra_norm)
+        return "final"
     return "final" if scene.around(norm) <= scene.around_stack(stack) else None
 
 

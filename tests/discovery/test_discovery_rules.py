@@ -584,3 +584,31 @@ def test_a_shared_post_ln_block_has_its_norm_after_every_run() -> None:
     normprobe.reinit(model, "deepnorm", example_inputs=(x,))
     [scale] = normprobe.branch_scales(model).values()
     assert float(scale.scale) == pytest.approx(8**-0.25)
+
+
+def test_a_norm_closing_the_last_block_of_a_res_post_norm_stack_is_final() -> None:
+    # timm/models/swin_transformer_v2_cr.py: blocks normalize each branch's output
+    # (x + norm1(attn(x)), res-post-norm) and the last stage's last block ends with norm3 on
+    # its sum (extra_norm_stage): that norm closes the stack, it makes no block Post-LN
+    from timm.models.swin_transformer_v2_cr import SwinTransformerV2Cr
+
+    torch.manual_seed(0)
+    model = SwinTransformerV2Cr(
+        img_size=(32, 32),
+        patch_size=4,
+        window_size=(4, 4),
+        embed_dim=16,
+        depths=(2, 2),
+        num_heads=(2, 2),
+        num_classes=10,
+    ).eval()
+    m = normprobe.discover(model, torch.randn(2, 3, 32, 32))
+    assert {s.path: s.placement for s in m.stacks} == {
+        "stages": "in-branch",
+        "stages.0.blocks": "in-branch",
+        "stages.1.blocks": "in-branch",
+    }
+    assert m.norm("stages.1.blocks.1.norm3").role == "final"
+    assert {n.role for n in m.norms if ".blocks." in n.path and "norm3" not in n.path} == {"branch"}
+    with pytest.raises(ValueError, match="Post-LN"):  # no add of these stacks has a norm after it
+        normprobe.reinit(model, "deepnorm", model_map=m)
