@@ -9,18 +9,18 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .base import feature_dim, plain, stack_scalars, wide_dtype
+from .base import feature_dim, large_on_cpu, plain, square_sum, stack_scalars, wide_dtype
 from .shards import any_dtensor, local, local_part
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:
     """Root mean square of all elements: sqrt(mean(x^2)), reduced in float32 or wider."""
-    return torch.linalg.vector_norm(plain(x), dtype=wide_dtype(x)) / math.sqrt(max(x.numel(), 1))
+    return square_sum(plain(x), wide_dtype(x)).sqrt() / math.sqrt(max(x.numel(), 1))
 
 
 def rms_many(tensors: list[torch.Tensor]) -> torch.Tensor:
     """`rms` of each tensor, as one float32 vector, in one batched reduction."""
-    if any_dtensor(tensors) or any(t.dtype == torch.float64 for t in tensors):
+    if any_dtensor(tensors) or any(t.dtype == torch.float64 or large_on_cpu(t) for t in tensors):
         return torch.stack([rms(t).float() for t in tensors])
     norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     scales = [1 / math.sqrt(max(t.numel(), 1)) for t in tensors]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .base import large_on_cpu, square_sum
 from .shards import dtensor_type, local, shard_share
 
 
@@ -26,12 +27,20 @@ def squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if dtensor is not None and any(isinstance(t, dtensor) for t in tensors):
         shares = [shard_share(t) for t in tensors]
         tensors = [local(t) for t in tensors]
-    wide = None if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    norms = torch._foreach_norm(list(tensors), 2, dtype=wide)
-    if shares is not None and any(share != 1.0 for share in shares):
-        norms = torch._foreach_mul(norms, [math.sqrt(share) for share in shares])
-    device = norms[0].device
-    return torch.stack([n if n.device == device else n.to(device) for n in norms]).pow(2)
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    # a CPU's running sum loses precision on large tensors: those row by row (`square_sum`)
+    large = set() if shares is not None else {i for i, t in enumerate(tensors) if large_on_cpu(t)}
+    rest = [i for i in range(len(tensors)) if i not in large]
+    found: dict[int, torch.Tensor] = {i: square_sum(tensors[i], wide) for i in large}
+    if rest:
+        norms = torch._foreach_norm([tensors[i] for i in rest], 2, dtype=wide)
+        if shares is not None and any(share != 1.0 for share in shares):
+            norms = torch._foreach_mul(norms, [math.sqrt(shares[i]) for i in rest])
+        found |= {i: n.square() for i, n in zip(rest, norms, strict=True)}
+    device = found[0].device
+    return torch.stack(
+        [v if v.device == device else v.to(device) for _, v in sorted(found.items())]
+    )
 
 
 # Tensors of at most this many entries are reduced by shape (`ByShape`): a CPU spends a few
