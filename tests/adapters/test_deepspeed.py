@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launch import free_port, run_ranks, script_env, start, wait_all
 
 pytest.importorskip("deepspeed")
 
@@ -44,31 +41,7 @@ Ranks = dict[int, dict[str, Any]]
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Ranks:
-    out = tmp_path_factory.mktemp("deepspeed")
-    path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(out), str(rank), port],
-            cwd=out,
-            env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"},  # 2 ranks, 2 cores
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    for rank, proc in enumerate(procs):
-        try:
-            log, _ = proc.communicate(timeout=300)  # a deadlock would hang here
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        assert proc.returncode == 0, f"rank {rank}:\n{log[-3000:]}"
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+    return run_ranks(SCRIPT, tmp_path_factory.mktemp("deepspeed"), 2)
 
 
 @pytest.mark.slow
@@ -151,37 +124,11 @@ def wrapped(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     with Accelerate's DeepSpeed plugin of each of ACCELERATED (its runs under 10 + stage)."""
     out = tmp_path_factory.mktemp("deepspeed_hf")
     script = SCRIPT.with_name("deepspeed_hf_train.py")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    env["OMP_NUM_THREADS"] = "1"  # a thread a rank: 2 ranks, 2 cores
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(out), ",".join(HF_STAGES), ",".join(ACCELERATED)],
-            cwd=out,
-            env={
-                **env,
-                "RANK": str(r),
-                "LOCAL_RANK": str(r),
-                "WORLD_SIZE": "2",
-                "LOCAL_WORLD_SIZE": "2",
-            },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
-    for rank, proc in enumerate(procs):
-        try:
-            log, _ = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        assert proc.returncode == 0, f"rank {rank}:\n{log[-3000:]}"
+    env = script_env(SCRIPT, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    command = [str(script), str(out), ",".join(HF_STAGES), ",".join(ACCELERATED)]
+    env |= {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    procs = [start(command, out, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    wait_all(procs, ["rank 0", "rank 1"])
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

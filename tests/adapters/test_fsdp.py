@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from launch import free_port, script_env, start, wait_all
 from tb import read_events
 
 from normprobe import probes, tags
@@ -40,31 +37,12 @@ Run = tuple[Path, dict[int, dict[str, Any]]]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     out = tmp_path_factory.mktemp("fsdp")
-    path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = free_port()
     commands = [["fsdp2"], ["plain", str(out), "0", port], ["plain", str(out), "1", port]]
-    procs = [  # all at once: Lightning's run (it starts its second rank), the plain API's ranks
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), *args[:1], str(out), *args[2:]],
-            cwd=out,
-            # four processes on the machine's cores: one torch thread each, none spinning idle
-            env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for args in commands
-    ]
-    for args, proc in zip(commands, procs, strict=True):
-        try:
-            log, _ = proc.communicate(timeout=300)  # a deadlock would hang here
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        assert proc.returncode == 0, f"{' '.join(args)}:\n{log[-3000:]}"
+    # all at once: Lightning's run (it starts its second rank), the plain API's ranks
+    env = script_env(SCRIPT)
+    procs = [start([str(SCRIPT), *args[:1], str(out), *args[2:]], out, env) for args in commands]
+    wait_all(procs, [" ".join(args) for args in commands])
     return {
         mode: (
             out / mode,
