@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -147,11 +148,26 @@ def train(net: nn.Module, metrics: list[str] | None) -> dict[str, Any]:
         )
     seen["warnings"] = [str(w.message) for w in caught if "normprobe cannot" in str(w.message)]
     seen["metrics"] = list(probe.metrics)
+    return recorded_steps(
+        net, opt, probe, lambda batch: loss_of(net(batch), batch).backward(), seen
+    )
+
+
+def recorded_steps(
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+    probe: normprobe.Probe,
+    backward: Callable[[torch.Tensor], Any],
+    seen: dict[str, Any],
+) -> dict[str, Any]:
+    """``backward`` and an optimizer step on each of `batches`: into ``seen``, the collectives
+    normprobe issued in each step, each logged step's record, and the hooks left on ``net``
+    after ``probe`` is removed."""
     counter, seen["collectives"] = Collectives(), []
     for step, batch in enumerate(batches()):
         counter.collectives = 0
         with counter:
-            loss_of(net(batch), batch).backward()
+            backward(batch)
             opt.step()
         seen["collectives"].append(counter.collectives)
         opt.zero_grad()

@@ -35,9 +35,9 @@ from parallel_train import (
     hooks,
     loss_of,
     model,
+    recorded_steps,
     stages,
     train,
-    values,
 )
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -105,22 +105,14 @@ def train_stage(rank: int, schedule: Any, log_dir: Path, split: Any = stages) ->
         )
     seen["warnings"] = [str(w.message) for w in caught if "normprobe" in str(w.message)]
     run = schedule(stage, 2, loss_fn=loss_of)
-    counter, seen["collectives"] = Collectives(), []
-    for step, batch in enumerate(batches()):
-        counter.collectives = 0
-        with counter:
-            if rank == 0:
-                run.step(batch)
-            else:
-                run.step(target=batch)
-            opt.step()
-        seen["collectives"].append(counter.collectives)
-        opt.zero_grad()
-        if step % EVERY == 0:
-            seen[str(step)] = values(probe)
-    probe.remove()
-    seen["hooks_left"] = hooks(net)
-    return seen
+
+    def backward(batch: torch.Tensor) -> None:  # the schedule's forwards and backwards
+        if rank == 0:
+            run.step(batch)
+        else:
+            run.step(target=batch)
+
+    return recorded_steps(net, opt, probe, backward, seen)
 
 
 def refusals(rank: int) -> dict[str, Any]:
