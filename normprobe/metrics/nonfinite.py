@@ -115,7 +115,7 @@ class _OutputSums:
         # a module that returns what its last child returned (read just before): summed once
         if self._last and self._last[0] is out:
             return self._last[1]
-        if self._stream and _same(self._stream[0], out):
+        if self._stream and probes.same_values(self._stream[0], out):
             total = self._stream[1].sum()
         else:
             total = probes.finite_sum(out)
@@ -319,18 +319,6 @@ def _by_parameter_gradients(plan: Plan, grads: GradSquares, inner: Sequence[int]
     after = next((held[k][0] for k in range(last + 1, len(held)) if finite[k]), None)
     return f"; parameter gradients not finite in {held[last][0]}" + (
         f", finite in {after}" if after else ""
-    )
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` (one of them detached from the other) hold the same values;
-    False for tensor subclasses (a DTensor's storage is its shards')."""
-    return (
-        type(a) is type(b) is torch.Tensor
-        and a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.dtype == b.dtype
     )
 
 

@@ -31,7 +31,7 @@ from .attention import (
     mha_qk,
     sdpa_logit_max,
 )
-from .base import feature_dim, plain, sample_stride
+from .base import feature_dim, plain, same_values, sample_stride
 from .outliers import MEDIAN_SAMPLE, OutlierParts, outlier_parts, outlier_stats, outlier_stats_many
 from .shards import is_sharded, local, local_part, shard_share
 from .squares import (
@@ -83,6 +83,7 @@ __all__ = [
     "rms_many",
     "row_dots",
     "row_norms",
+    "same_values",
     "sample_stride",
     "sdpa_logit_max",
     "shard_share",

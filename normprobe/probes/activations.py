@@ -15,7 +15,7 @@ from .shards import any_dtensor, local, local_part
 
 def rms(x: torch.Tensor) -> torch.Tensor:
     """Root mean square of all elements: sqrt(mean(x^2)), reduced in float32 or wider."""
-    return square_sum(plain(x), wide_dtype(x)).sqrt() / math.sqrt(max(x.numel(), 1))
+    return square_sum(x, wide_dtype(x)).sqrt() / math.sqrt(max(x.numel(), 1))
 
 
 def rms_many(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -80,3 +80,16 @@ def plain(x: torch.Tensor) -> torch.Tensor:
     """``x`` outside autograd: detached where it requires a gradient, else itself (a detach is
     one more dispatch for each of the many small tensors a logged step reads)."""
     return x.detach() if x.requires_grad else x
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (one of them detached from the other) are views of the same
+    memory with the same layout; False for tensor subclasses (a DTensor's storage is its
+    shards')."""
+    return (
+        type(a) is type(b) is torch.Tensor
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )

@@ -50,13 +50,11 @@ class Batch:
 
     def add(self, position: int, t: torch.Tensor) -> None:
         t = probes.plain(t)
-        if not self.tracked or t.is_inference():  # no version to look at
+        versioned = self.tracked and not t.is_inference()
+        if not versioned or not self.learned or position in self.at_once:
             self.done.append(([position], self.reduce_many([t])))
-            return
-        if not self.learned or position in self.at_once:
-            self.done.append(([position], self.reduce_many([t])))
-            if self.learned:
-                return
+            if not versioned or self.learned:
+                return  # else held too, to learn whether it changes in place
         self.positions.append(position)
         self.tensors.append(t)
         self.versions.append(t._version)
