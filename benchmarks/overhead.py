@@ -7,7 +7,8 @@ Every variant trains its own copy of the same weights; the variants take turns (
 rounds in a shuffled order, in one process) so that machine noise hits them alike. On a CPU a
 step is timed in process CPU time (``time.process_time``: every thread of this process, not the
 other jobs of a shared machine); on CUDA in wall time, synchronized. Prints the median time
-per step over the rounds and its ratio to the bare step.
+per step over the rounds, and the median and quartiles of its ratio to the bare step of the same
+round.
 
 Cases (the targets of the overhead goals, see the README):
   mlp    12 Pre-LN feed-forward blocks, width 256 (hidden 1024), batch 64, 1 torch thread
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import math
 import random
 import statistics
@@ -177,8 +179,12 @@ def variants(case: Case, device: torch.device, families: bool) -> dict[str, Step
     return out
 
 
-def measure(steps: dict[str, Step], rounds: int, per_round: int, device: torch.device) -> dict:
-    """Median seconds per step of each variant: process CPU time on a CPU, wall time on CUDA."""
+def measure(
+    steps: dict[str, Step], rounds: int, per_round: int, device: torch.device
+) -> dict[str, list[float]]:
+    """Seconds per step of each variant in each round: process CPU time on a CPU, wall time on
+    CUDA. Each round starts from a collected heap, so that a variant pays for the garbage
+    collections its own allocations cause, not those of the variant before it."""
     cuda = device.type == "cuda"
     clock = time.perf_counter if cuda else time.process_time
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -190,13 +196,27 @@ def measure(steps: dict[str, Step], rounds: int, per_round: int, device: torch.d
     for r in range(rounds):
         random.Random(r).shuffle(turns)  # no variant always runs after the same one
         for name, step in turns:
+            gc.collect()
             sync()
             start = clock()
             for _ in range(per_round):
                 step()
             sync()
             times[name].append((clock() - start) / per_round)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def ratios(times: dict[str, list[float]]) -> dict[str, tuple[float, float, float]]:
+    """Each variant's time over the bare step's in the same round (the machine's speed drifts
+    between rounds, far less within one): the quartiles over the rounds."""
+    bare = times["bare"]
+    out = {}
+    for name, seconds in times.items():
+        q1, median, q3 = statistics.quantiles(
+            [s / b for s, b in zip(seconds, bare, strict=True)], n=4
+        )
+        out[name] = (q1, median, q3)
+    return out
 
 
 def syncs_per_step(case: Case, device: torch.device) -> list[int]:
@@ -242,12 +262,12 @@ def main() -> None:
         if device.type == "cpu":
             torch.set_num_threads(case.threads)
         steps = variants(case, device, args.families)
-        result = measure(steps, args.rounds, args.steps, device)
-        bare = result["bare"]
+        times = measure(steps, args.rounds, args.steps, device)
         print(f"\n{case.title}")
-        print(f"  {'variant':<18} {'ms/step':>8} {'x bare':>7}")
-        for variant, seconds in result.items():
-            print(f"  {variant:<18} {seconds * 1e3:>8.2f} {seconds / bare:>7.3f}")
+        print(f"  {'variant':<18} {'ms/step':>8} {'x bare':>7}  quartiles")
+        for variant, (q1, median, q3) in ratios(times).items():
+            ms = statistics.median(times[variant]) * 1e3
+            print(f"  {variant:<18} {ms:>8.2f} {median:>7.3f}  {q1:.3f}-{q3:.3f}")
         if device.type == "cuda":
             print(f"  host syncs, steps 3-8 (every=3): {syncs_per_step(case, device)}")
 

@@ -3,7 +3,8 @@
 A NaN or Inf in a tensor makes its sum NaN or Inf, so one sum per tensor says whether it holds
 one. A logged step sums the output and gradients of every module outside the stacks' blocks and
 of each block as a whole (`Watched`; a block's output that is the residual stream other families
-read, `Streams`, from its row norms), not of the modules inside blocks: where the first NaN/Inf
+read, `Streams`, from its row norms; a block of several modules from its streams alone), not of
+the modules inside blocks: where the first NaN/Inf
 is a block's, the step names the block, and the next step, logged for it (`Plan.capture`), reads
 that block's modules too and names the module, if the NaN/Inf is still there and still first.
 A block whose backward made a NaN/Inf is narrowed down on its own step as well, by which of its
@@ -24,76 +25,38 @@ from .. import probes, tags
 from ..nested import iter_tensors
 from .core.base import MODEL, PROBLEM, Family, Flag, Out, Plan, Run, Series, Side, Values
 from .core.grads import GradSquares
-from .core.streams import Streams
+from .core.streams import StreamRead, Streams, last_adds, readable
+from .core.watched import JOIN, Watched, watch_units
 
 Ranks = dict[torch.device, torch.Tensor]  # 0, 1, 2, ... on each device, made once
 # what follows a block's path in the texts while its module is not known
 BLOCK = " (block; module not localized yet)"
-
-
-class Watched:
-    """The modules a logged step reads: those outside the stacks' blocks, each block as one
-    module, and the modules inside the blocks where the last logged step found its first
-    NaN/Inf (`suspect`). On compiled models, whose hooks must not change: every module."""
-
-    def __init__(self, plan: Plan) -> None:
-        self.plan = plan
-        paths = plan.modules_in_order
-        index = {id(plan.modules[p]): i for i, p in enumerate(paths)}
-        self.inside: dict[int, list[int]] = {}  # by block: the modules inside it
-        for stack in [] if plan.compiled else plan.stacks():
-            for members in stack.members or tuple((b,) for b in stack.blocks):
-                for path in members:
-                    module = plan.modules[path]
-                    inner = [index[id(m)] for m in module.modules() if m is not module]
-                    if inner:
-                        self.inside[index[id(module)]] = inner
-        self.block_of: dict[int, int] = {}  # a module inside blocks: the outermost
-        for block, inner in sorted(self.inside.items(), key=lambda item: len(item[1])):
-            self.block_of.update(dict.fromkeys(inner, block))
-        self.base = frozenset(range(len(paths))).difference(self.block_of)
-        self.suspects: dict[str, int] = {}  # "forward", "backward": the block read inside
-        if self.inside:
-            plan.select_modules(self.base)
-
-    def localized(self, index: int, measured: Mapping[int, float]) -> bool:
-        """Whether module ``index`` is no block, or a block whose modules were read."""
-        inner = self.inside.get(index)
-        return inner is None or any(i in measured for i in inner)
-
-    def suspect(self, side: str, first: int | None) -> None:
-        """From the next logged step on, read inside the (outermost) block that holds or is
-        module ``first`` (``side``'s first NaN/Inf; None: none), no longer inside the last one."""
-        if not self.inside:
-            return
-        block = None if first is None else self.block_of.get(first)
-        if block is None and first in self.inside:
-            block = first
-        if block is None:
-            self.suspects.pop(side, None)
-        else:
-            self.suspects[side] = block
-        read = [self.inside[b] for b in self.suspects.values()]
-        self.plan.select_modules(self.base.union(*read))
+_ZERO = torch.zeros(())
 
 
 class _OutputSums:
-    """The finite sum of each module's output on a logged forward, in the order the modules
-    ran (each module's first call); an output that is the residual stream other families read
-    (`Streams`) is summed from its row norms (non-finite where its sum is, or at an entry past
-    1e19, whose square overflows)."""
+    """The finite sum of each module's (and unit's) output on a logged forward, in the order
+    they ran (each one's first call); an output that is the residual stream other families
+    read (`Streams`) is summed from its row norms once they are reduced (non-finite where its
+    sum is, or at an entry past 1e19, whose square overflows)."""
 
-    def __init__(self) -> None:
-        self.modules: list[int] = []  # the modules read, in the order they ran
-        self.sums: list[torch.Tensor] = []  # the finite sum of each one's output
+    def __init__(self, units: Mapping[tuple[str, int], int]) -> None:
+        self.units = units
+        self.modules: list[int] = []  # the modules and units read, in the order they ran
+        # the finite sum of each one's output, or the stream read it is summed from
+        self.sums: list[torch.Tensor | StreamRead] = []
         self._seen: set[int] = set()
-        self._last: list[torch.Tensor] = []  # the output read last, and its sum
-        self._stream: list[torch.Tensor] = []  # the stream read last, and its row norms
+        self._last: tuple[Any, torch.Tensor | StreamRead] | None = None  # output read last
+        self._stream: tuple[torch.Tensor, StreamRead] | None = None  # the stream read last
 
     def streamed(self, streams: Streams, stack: str, block: int, t: torch.Tensor) -> None:
-        reads = streams.reads[stack]
-        if reads:
-            self._stream[:] = [t, reads[-1].norms]
+        here = streams.reads[stack][-1]
+        self._stream = (t, here)
+        unit = self.units.get((stack, block))
+        if unit is not None and unit not in self._seen:
+            self._seen.add(unit)
+            self.modules.append(unit)
+            self.sums.append(here)
 
     def read(self, index: int, out: Any) -> None:
         if index in self._seen:
@@ -111,21 +74,29 @@ class _OutputSums:
         self.modules.append(index)
         self.sums.append(total)
 
-    def _sum(self, out: torch.Tensor) -> torch.Tensor:
+    def _sum(self, out: torch.Tensor) -> torch.Tensor | StreamRead:
         # a module that returns what its last child returned (read just before): summed once
-        if self._last and self._last[0] is out:
+        if self._last is not None and self._last[0] is out:
             return self._last[1]
-        if self._stream and probes.same_values(self._stream[0], out):
-            total = self._stream[1].sum()
+        if self._stream is not None and probes.same_values(self._stream[0], out):
+            total: torch.Tensor | StreamRead = self._stream[1]
         else:
             total = probes.finite_sum(out)
-        self._last[:] = [out, total]
+        self._last = (out, total)
         return total
+
+    def values(self) -> list[torch.Tensor]:
+        """The sums, those of streams too (a stream dropped unreduced, changed in place after
+        its read, counts as finite)."""
+        return [
+            s if isinstance(s, torch.Tensor) else s.norms.sum() if s.norms is not None else _ZERO
+            for s in self.sums
+        ]
 
     def clear(self) -> None:
         self._seen.clear()
-        self._last.clear()
-        self._stream.clear()
+        self._last = None
+        self._stream = None
         self.modules.clear()
         self.sums.clear()
 
@@ -137,29 +108,38 @@ class NonFinite(Family):
         "execution order; in backward, number of modules read whose input gradient holds NaN "
         "or Inf, and the first, in backward order, that made it from a finite received "
         "gradient (both warned once; backward: not on compiled models). A block counts as one "
-        "module: where it is the first, the next step is logged with its modules read, to name "
-        "the module"
+        "module (a block of several, such as lns.3 + lins.3, is read from the residual streams "
+        "around it): where it is the first, the next step is logged with its modules read, to "
+        "name the module"
     )
     series = (Series("nonfinite", "model"),)
 
     def plan(self, plan: Plan) -> None:
         order: Ranks = {}
-        watched = Watched(plan)
+        # blocks of several modules are read from their streams (not on compiled models: their
+        # graph would have to compare storages)
+        streamed = {
+            stack: [b for b, add in last.items() if readable(add)]
+            for stack, last in last_adds(plan.model_map).items()
+        }
+        watched = Watched(plan, {} if plan.compiled else streamed)
+        if watched.units:  # their gradients: those of the streams
+            Streams.of(plan).watchers.append(partial(watch_units, plan, watched.units))
         self._plan_forward(plan, order, watched)
         self._plan_backward(plan, order, watched)
 
     def _plan_forward(self, plan: Plan, order: Ranks, watched: Watched) -> None:
-        paths = list(plan.modules_in_order)
-        slot = plan.slot(len(paths), "min")  # per module: its rank in execution order, or inf
-        outputs = _OutputSums()
+        # per module and unit: its rank in execution order, or inf
+        slot = plan.slot(watched.size, "min")
+        outputs = _OutputSums(watched.units)
         warned = [False]
         streams: list[Streams | None] = []  # looked for at the first logged forward
 
         def publish() -> None:
             if outputs.sums:
-                # the i-th module read is the i-th to run: its rank if its output was not finite
-                values = torch.stack(_on_first_device(outputs.sums))
-                ranks = torch.where(torch.isfinite(values), math.inf, _ranks(order, paths, values))
+                # the i-th read is the i-th to run: its rank if its output was not finite
+                values = torch.stack(_on_first_device(outputs.values()))
+                ranks = torch.where(torch.isfinite(values), math.inf, _ranks(order, values))
                 plan.measured.put_at([slot.offset + i for i in outputs.modules], ranks)
 
         def start() -> None:
@@ -199,15 +179,14 @@ class NonFinite(Family):
         """Per module, the finite sums of its input gradients (each tensor's, accumulated over
         its consumers) and of the gradients its outputs received. At flush, a module whose input
         gradient is non-finite gets its rank in the order input gradients completed if what it
-        received was finite (it made the NaN/Inf), else ``len(paths)`` (it passed one on); inf
+        received was finite (it made the NaN/Inf), else ``watched.size`` (it passed one on); inf
         if its input gradient is finite. Modules called with one tensor complete together, the
         first called (the outermost) first. As input gradients are accumulated, a module called
         with a tensor that an operation outside it also reads (the skip path, a sibling's
         input) is named when that operation made the NaN/Inf and no module around it was called
         with the same tensor."""
-        paths = list(plan.modules_in_order)
-        spread = float(len(paths))
-        slot = plan.slot(len(paths), "min")
+        spread = float(watched.size)
+        slot = plan.slot(watched.size, "min")
         grads = GradSquares.of(plan)
         sums: list[torch.Tensor] = []  # the finite sum of each gradient, as they complete
         # by module, the positions in ``sums`` of its gradients; inputs in the order their
@@ -231,7 +210,7 @@ class NonFinite(Family):
             values = torch.stack(_on_first_device(sums))
             given = _group_sums(values, list(inputs.values()))
             received = _group_sums(values, [outputs.get(i, []) for i in inputs])
-            made = torch.where(torch.isfinite(received), _ranks(order, paths, given), spread)
+            made = torch.where(torch.isfinite(received), _ranks(order, given), spread)
             ranks = torch.where(torch.isfinite(given), math.inf, made)
             plan.measured.put_at([slot.offset + i for i in inputs], ranks)
 
@@ -278,9 +257,9 @@ class NonFinite(Family):
 def _place(
     plan: Plan, watched: Watched, index: int, measured: Mapping[int, float], step: int
 ) -> str:
-    """Module ``index``'s path; a block's whose modules were not read gets `BLOCK`, and the next
-    step is logged to read them."""
-    path = plan.modules_in_order[index] or "<root>"
+    """Module (or unit) ``index``'s path; a block's whose modules were not read gets `BLOCK`,
+    and the next step is logged to read them."""
+    path = watched.name(index)
     if watched.localized(index, measured):
         return path
     plan.capture(step + 1)
@@ -322,11 +301,11 @@ def _by_parameter_gradients(plan: Plan, grads: GradSquares, inner: Sequence[int]
     )
 
 
-def _ranks(order: Ranks, paths: list[str], like: torch.Tensor) -> torch.Tensor:
+def _ranks(order: Ranks, like: torch.Tensor) -> torch.Tensor:
     """0, 1, 2, ... as many as ``like`` holds, on its device."""
     device = like.device
-    if device not in order:
-        order[device] = torch.arange(len(paths), dtype=torch.float32, device=device)
+    if device not in order or len(order[device]) < len(like):
+        order[device] = torch.arange(len(like), dtype=torch.float32, device=device)
     return order[device][: len(like)]
 
 
@@ -380,7 +359,9 @@ def _localized(texts: list[tuple[int, str]], step: int) -> str | None:
     if BLOCK not in first:
         return first
     block = first[: first.index(BLOCK)]
-    inside = len(later) > 1 and (later[1][1] + ".").startswith(block + ".")
+    inside = len(later) > 1 and any(
+        (later[1][1] + ".").startswith(module + ".") for module in block.split(JOIN)
+    )
     if inside and BLOCK not in later[1][1]:
         return f"{later[1][1]} (block {block} at step {step}, the module at step {later[1][0]})"
     return first

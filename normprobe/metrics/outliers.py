@@ -8,7 +8,7 @@ import torch
 
 from .. import probes
 from .core.base import PROBLEM, SUSTAIN, Family, Flag, Out, Plan, Run, Series, Values, sustained
-from .core.streams import Streams, rowwise
+from .core.streams import Streams
 
 # Sun et al. 2024 ("Massive Activations in Large Language Models") call an activation massive
 # when it is about 1000x the median magnitude of its hidden state, and find 1000x-10000x in
@@ -48,10 +48,19 @@ class Outliers(Family):
             )
             for stack in streams.blocks
         }
-        reads: dict[str, list[tuple[int, probes.OutlierParts]]] = {stack: [] for stack in slots}
+        # per stack: the blocks reduced together, and their parts (one row per block)
+        reads: dict[str, list[tuple[list[int], probes.OutlierParts]]] = {s: [] for s in slots}
 
-        def watch(stack: str, block: int, stream: torch.Tensor) -> None:
-            reads[stack].append((block, probes.outlier_parts(stream)))
+        def reduce(
+            stack: str, blocks: list[int], streams: list[torch.Tensor], stacked: torch.Tensor | None
+        ) -> None:
+            if stacked is not None:
+                parts = probes.outlier_parts_many(stacked)
+            else:
+                (stream,) = streams
+                one = probes.outlier_parts(stream)
+                parts = (one[0][None], one[1][None], one[2][None], one[3][None])
+            reads[stack].append((blocks, parts))
 
         def clear() -> None:
             # in place: a compiled graph's guards see the same lists at every forward
@@ -61,9 +70,9 @@ class Outliers(Family):
         def finish() -> None:
             for stack, stack_reads in reads.items():
                 if stack_reads:
-                    blocks = [b for b, _ in stack_reads]
+                    blocks = [b for chunk, _ in stack_reads for b in chunk]
                     # (blocks, 3), in one call when every block's stream has as many channels
-                    stats = rowwise(probes.outlier_stats_many, [p for _, p in stack_reads])
+                    stats = _stats([parts for _, parts in stack_reads])
                     positions = [slot.offset + b for slot in slots[stack] for b in blocks]
                     plan.measured.put_at(positions, stats[:, [0, 1, 1, 2]].T.reshape(-1))
 
@@ -78,7 +87,7 @@ class Outliers(Family):
                 out.per_block("outlier_channel", stack, channels)
                 out.per_block("outlier_kurtosis", stack, values.measured(kurtosis))
 
-        streams.watchers.append(watch)
+        streams.reducers.append(reduce)
         plan.at_forward_start(clear)
         plan.on_clear(clear)
         plan.at_flush(finish)
@@ -132,6 +141,18 @@ class Outliers(Family):
                 )
             )
         return found
+
+
+def _stats(chunks: list[probes.OutlierParts]) -> torch.Tensor:
+    """`probes.outlier_stats_many` of the parts of every block, read in chunks: in one call
+    where they are alike in shape."""
+    if len(chunks) == 1:
+        return probes.outlier_stats_many(*chunks[0])
+    if len({tuple(p.shape[1:] for p in parts) for parts in chunks}) == 1:
+        return probes.outlier_stats_many(
+            *(torch.cat(column) for column in zip(*chunks, strict=True))
+        )
+    return torch.cat([probes.outlier_stats_many(*parts) for parts in chunks])
 
 
 def _channel(run: Run, stack: str, block: int, step: int) -> int | None:

@@ -18,7 +18,9 @@ from .activations import (
     rms_from_row_norms,
     rms_many,
     row_dots,
+    row_dots_many,
     row_norms,
+    row_norms_many,
 )
 from .attention import (
     SAMPLE_ROWS,
@@ -32,7 +34,14 @@ from .attention import (
     sdpa_logit_max,
 )
 from .base import feature_dim, plain, same_values, sample_stride
-from .outliers import MEDIAN_SAMPLE, OutlierParts, outlier_parts, outlier_stats, outlier_stats_many
+from .outliers import (
+    MEDIAN_SAMPLE,
+    OutlierParts,
+    outlier_parts,
+    outlier_parts_many,
+    outlier_stats,
+    outlier_stats_many,
+)
 from .shards import is_sharded, local, local_part, shard_share
 from .squares import (
     CHUNK,
@@ -75,6 +84,7 @@ __all__ = [
     "mha_logit_max",
     "mha_qk",
     "outlier_parts",
+    "outlier_parts_many",
     "outlier_stats",
     "outlier_stats_many",
     "plain",
@@ -82,7 +92,9 @@ __all__ = [
     "rms_from_row_norms",
     "rms_many",
     "row_dots",
+    "row_dots_many",
     "row_norms",
+    "row_norms_many",
     "same_values",
     "sample_stride",
     "sdpa_logit_max",

@@ -9,7 +9,15 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .base import feature_dim, large_on_cpu, plain, square_sum, stack_scalars, wide_dtype
+from .base import (
+    feature_axis,
+    feature_dim,
+    large_on_cpu,
+    plain,
+    square_sum,
+    stack_scalars,
+    wide_dtype,
+)
 from .shards import any_dtensor, local, local_part
 
 
@@ -33,6 +41,13 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(plain(x), dim=feature_dim(x), dtype=wide_dtype(x)).reshape(-1)
 
 
+def row_norms_many(stacked: torch.Tensor) -> torch.Tensor:
+    """`row_norms` of each tensor stacked along ``stacked``'s first axis: (tensors, positions)."""
+    dim = _stacked_feature_dim(stacked)
+    norms = torch.linalg.vector_norm(plain(stacked), dim=dim, dtype=wide_dtype(stacked))
+    return norms.reshape(len(stacked), -1)
+
+
 def rms_from_row_norms(norms: torch.Tensor, numel: int) -> torch.Tensor:
     """The RMS of a tensor of ``numel`` elements from its `row_norms` (last axis); rows of
     several tensors of that size stacked give one RMS each."""
@@ -45,6 +60,18 @@ def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     wide, dim = wide_dtype(a), feature_dim(a)
     a, b = (plain(t) if t.dtype == wide else plain(t).to(wide) for t in (a, b))
     return torch.linalg.vecdot(a, b, dim=dim).reshape(-1)
+
+
+def row_dots_many(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`row_dots` of each pair of tensors stacked along ``a``'s and ``b``'s first axis."""
+    wide, dim = wide_dtype(a), _stacked_feature_dim(a)
+    a, b = (plain(t) if t.dtype == wide else plain(t).to(wide) for t in (a, b))
+    return torch.linalg.vecdot(a, b, dim=dim).reshape(len(a), -1)
+
+
+def _stacked_feature_dim(stacked: torch.Tensor) -> int:
+    """`feature_dim` of the tensors stacked along ``stacked``'s first axis, in ``stacked``."""
+    return feature_axis(stacked.ndim - 1) + 1
 
 
 def cosines_from_rows(

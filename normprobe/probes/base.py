@@ -52,7 +52,12 @@ def stack_scalars(values: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def feature_dim(x: torch.Tensor) -> int:
     """The feature axis: channels (dim 1) for images (N, C, H, W), else the last one."""
-    return 1 if x.ndim >= 4 else -1
+    return feature_axis(x.ndim)
+
+
+def feature_axis(ndim: int) -> int:
+    """`feature_dim` of a tensor of ``ndim`` dimensions, counted from 0."""
+    return 1 if ndim >= 4 else ndim - 1
 
 
 @functools.lru_cache(maxsize=256)  # a stream's shape comes back at every logged step

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .base import feature_dim, plain, sample_stride, wide_dtype
+from .base import feature_axis, feature_dim, plain, sample_stride, wide_dtype
 
 # The median |x| of `outlier_parts` is taken over an evenly strided sample of at most this many
 # entries (all of them in smaller tensors): a sort of a whole stream costs a block's forward, and
@@ -29,17 +29,34 @@ def outlier_parts(x: torch.Tensor) -> OutlierParts:
     x = plain(x)
     if x.ndim == 1:
         x = x.unsqueeze(0)  # one position
-    wide, dim = wide_dtype(x), feature_dim(x) % x.ndim
-    stride = sample_stride(x.shape, MEDIAN_SAMPLE)
-    flat = x.reshape(-1)
+    return _parts(x, feature_dim(x) % x.ndim, x.reshape(-1), sample_stride(x.shape, MEDIAN_SAMPLE))
+
+
+def outlier_parts_many(stacked: torch.Tensor) -> OutlierParts:
+    """`outlier_parts` of each activation stacked along ``stacked``'s first axis, in one call
+    per part: each part has a first axis of one row per activation."""
+    x = plain(stacked)
+    if x.ndim == 2:
+        x = x.unsqueeze(1)  # one position each
+    one = x.shape[1:]
+    flat = x.reshape(len(x), -1)
+    return _parts(x, feature_axis(len(one)) + 1, flat, sample_stride(one, MEDIAN_SAMPLE))
+
+
+def _parts(x: torch.Tensor, dim: int, flat: torch.Tensor, stride: int) -> OutlierParts:
+    """`outlier_parts` of ``x`` (one activation, or several stacked with ``flat`` of one row
+    each) with channels along ``dim``, sampled every ``stride``-th entry."""
+    wide = wide_dtype(x)
     # a copy: x may change in place later
-    sample = (flat if stride == 1 else flat[::stride]).to(wide, copy=True)
+    sample = (flat if stride == 1 else flat[..., ::stride]).to(wide, copy=True)
     if x.dtype != wide:
         x = x.to(wide)
+    stacked = flat.ndim == 2
     if dim == x.ndim - 1:  # channels last: one row per position
-        rows = x.reshape(-1, x.shape[-1])
-        return rows.amax(dim=0), rows.amin(dim=0), torch.linalg.vecdot(rows, rows, dim=0), sample
-    others = [d for d in range(x.ndim) if d != dim]
+        rows = x.reshape(len(x), -1, x.shape[-1]) if stacked else x.reshape(-1, x.shape[-1])
+        lowest, highest = torch.aminmax(rows, dim=int(stacked))
+        return highest, lowest, torch.linalg.vecdot(rows, rows, dim=int(stacked)), sample
+    others = [d for d in range(int(stacked), x.ndim) if d != dim]
     return x.amax(dim=others), x.amin(dim=others), x.square().sum(dim=others), sample
 
 

@@ -24,6 +24,7 @@ from ..metrics.core.base import (
     Out,
     Reader,
     Reduce,
+    Side,
     Slot,
     Values,
 )
@@ -197,6 +198,10 @@ class ProbePlan:
             self._on("forward_start", gradients.start)
             self._on("clear", gradients.stop)
         gradients.actions.append(action)
+
+    def watch_gradient(self, index: int, side: Side, tensor: torch.Tensor) -> None:
+        if not self.compiled:
+            self.hooks.gradients.watch(index, side, tensor)
 
     def select_modules(self, indices: frozenset[int] | None) -> None:
         if not self.compiled:

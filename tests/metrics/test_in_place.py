@@ -156,3 +156,56 @@ def test_a_compiled_graph_reads_the_batchnorm_output_before_relu_(backend: str) 
             )
     finally:
         probe.remove()
+
+
+class SwitchingBlock(nn.Module):
+    """``x + f(x)``, or ``x += f(x)`` once ``in_place`` is set (a model that changes its ways
+    after the probe learned it)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+        self.in_place = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_place:
+            x += self.fc(self.ln(x))
+            return x
+        return x + self.fc(self.ln(x))
+
+
+def test_streams_changed_in_place_after_the_first_logged_forward_are_dropped_not_misread() -> None:
+    torch.manual_seed(0)
+    model = InPlaceNet()
+    model.blocks = nn.ModuleList([SwitchingBlock(16) for _ in range(4)])
+    x = torch.randn(8, 16)
+    with torch.no_grad():  # by hand: every block's stream
+        streams = [model.inp(x)]
+        for block in model.blocks:
+            streams.append(block(streams[-1]))
+    rms = {i: streams[i + 1].pow(2).mean().sqrt().item() for i in range(4)}
+    sink = normprobe.MemorySink()
+    seen = []
+    with torch.no_grad(), normprobe.attach(model, every=1, sinks=[sink]) as probe:
+        for step in range(4):
+            for block in model.blocks:
+                assert isinstance(block, SwitchingBlock)
+                block.in_place = step >= 2
+            model(x)
+            probe.step()
+            assert probe.latest is not None
+            seen.append(
+                {
+                    int(tag.rsplit("/", 1)[1]): value
+                    for tag, value in probe.latest.scalars.items()
+                    if tag.startswith("normprobe/resid_rms/blocks/")
+                }
+            )
+    # steps 0 and 1: every block; step 2: the streams held to be reduced together were changed
+    # by the next block before then, and only the last block's is left; step 3 reads each one
+    # as it comes
+    assert [sorted(s) for s in seen] == [[0, 1, 2, 3], [0, 1, 2, 3], [3], [0, 1, 2, 3]]
+    for s in seen:
+        for i, value in s.items():
+            assert value == pytest.approx(rms[i], rel=1e-5)

@@ -173,6 +173,11 @@ class Plan(Protocol):
         tensor it returned). A tensor one module returns and the next takes comes once.
         Not on compiled models (`compiled`): tensor hooks would break their graph."""
 
+    def watch_gradient(self, index: int, side: Side, tensor: torch.Tensor) -> None:
+        """During a logged forward, hand `read_gradients` actions ``tensor``'s gradient in its
+        backward as ``(index, side)``'s, where ``index`` may be past ``modules()`` (a unit a
+        family defines: a block of several modules). Not on compiled models."""
+
     def select_modules(self, indices: frozenset[int] | None) -> None:
         """From the next logged forward on, hand `read_outputs` and `read_gradients` actions
         the modules at these indices in ``modules()`` alone (None: every module). Not on

@@ -11,38 +11,66 @@ from typing import Literal
 import torch
 
 from ... import probes
+from ...discovery import ModelMap, ResidualAdd
 from .base import Plan
 
 
 @dataclass
 class StreamRead:
     """One block's stream on a logged forward, reduced to its per-position norms (and for
-    cosines, its dot products with the previous block's stream)."""
+    cosines, its dot products with the previous block's stream): ``norms`` is None until the
+    stream is reduced, which happens by the end of the forward."""
 
     block: int
     numel: int
-    norms: torch.Tensor
+    norms: torch.Tensor | None = None
     dots: torch.Tensor | None = None
     prev_norms: torch.Tensor | None = None
+
+
+# the most entries of a stream held to be reduced with others: larger ones cost more to reduce
+# than to call for (on a CPU thread, a call costs about as much as reducing 50,000 entries)
+SMALL = 65_536
+# a stream read and not reduced yet: its read, the stream (plain), its version then
+_Held = tuple[StreamRead, torch.Tensor, int]
+# (stack, blocks, their streams, those stacked where they are several)
+Reducer = Callable[[str, list[int], list[torch.Tensor], torch.Tensor | None], None]
+# what a stack's next read pairs with for its cosine: the last block reduced, its stream (or a
+# copy), its row norms, the stream's version then (-1: none)
+_Last = tuple[int, torch.Tensor, torch.Tensor, int]
 
 
 class Streams:
     """Reads the stream each block's last residual add leaves (after a Post-LN norm).
 
-    Get it with ``Streams.of(plan)``; ``reads[stack]`` holds a logged forward's reads, and
-    each of ``watchers`` is called with (stack, block, stream) when a block's stream is read,
-    to reduce it there and then.
+    Get it with ``Streams.of(plan)``; ``reads[stack]`` holds a logged forward's reads. Each of
+    ``watchers`` is called with (stack, block, stream) when a block's stream is read (the
+    stream as the model holds it: not detached), and each of ``reducers`` with (stack, blocks,
+    streams, stacked) when streams are reduced: consecutive reads of one stack (plain), and
+    where they are several, stacked along a new first axis (not to be changed).
+
+    A stream is held until ``size`` of its stack's are (then reduced in one batched call per
+    statistic) or the forward ends. Streams that the model changes in place after their read
+    (``out += identity`` then ``relu_``) are reduced as soon as they are read: the first logged
+    forward reduces every stream at once and holds them all to its end to learn which stacks'
+    do; so are those of compiled graphs (which run the model's in-place operations and cannot
+    look at versions) and inference tensors (which count none). A held stream found changed
+    when it is reduced (the model changed its ways) is dropped, and its stack learned.
     """
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, size: int = 32) -> None:
         self.cosines = False
+        self.size = size
         self.watchers: list[Callable[[str, int, torch.Tensor], None]] = []
+        self.reducers: list[Reducer] = []
         self.reads: dict[str, list[StreamRead]] = {}
         self.blocks: dict[str, list[int]] = {}  # the blocks read, per stack
-        # per stack: the last block read; its stream as held (or a copy), as read, and its
-        # version then (-1: none); its row norms
-        self._prev: dict[str, tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor]] = {}
-        self._copied: set[str] = set()  # stacks whose streams change in place after the read
+        self._held: dict[str, list[_Held]] = {}  # per stack: read, not reduced yet
+        self._last: dict[str, _Last] = {}
+        self._latest: dict[str, tuple[int, torch.Tensor]] = {}  # per stack: the last read
+        self._at_once: set[str] = set()  # stacks whose streams change in place after the read
+        # the first logged forward: each stream read, with its stack and version then
+        self._learning: list[tuple[str, torch.Tensor, int]] = []
         self._compiled = plan.compiled
         self._learned = plan.compiled
         # a pipeline stage that hands its output on: per stack, whether every forward's output
@@ -54,11 +82,10 @@ class Streams:
         plan.at_forward_end(self._end)
         model_map = plan.model_map
         self._pipeline(plan)
-        for stack in model_map.stacks:
-            last = {a.block: a for a in model_map.adds_in(stack.path) if a.block is not None}
-            for block, add in sorted(last.items()):
-                action = self._reader(stack.path, block)
-                self.blocks.setdefault(stack.path, []).append(block)
+        for stack, last in last_adds(model_map).items():
+            for block, add in last.items():
+                action = self._reader(stack, block)
+                self.blocks.setdefault(stack, []).append(block)
                 if add.post_norm is not None:
                     plan.read(add.post_norm, "post", action)
                 elif add.anchor is None:
@@ -87,12 +114,17 @@ class Streams:
 
     def _received(self, stack: str, t: torch.Tensor) -> None:
         if self.cosines:
-            self._keep(stack, -1, probes.plain(t), probes.row_norms(t))
+            t = probes.plain(t)
+            self._last[stack] = (-1, self._kept(stack, t), probes.row_norms(t), _version(t))
 
     def _handed(self, stack: str, t: torch.Tensor) -> None:
         last = self.blocks.get(stack, [None])[-1]
-        prev = self._prev.get(stack)
-        same = prev is not None and prev[0] == last and probes.same_values(prev[2], probes.plain(t))
+        latest = self._latest.get(stack)
+        same = (
+            latest is not None
+            and latest[0] == last
+            and probes.same_values(latest[1], probes.plain(t))
+        )
         self.hands_on[stack] = self.hands_on.get(stack, True) and same
 
     @staticmethod
@@ -104,50 +136,142 @@ class Streams:
         # in place: a compiled graph's guards see the same objects at every forward
         for reads in self.reads.values():
             reads.clear()
-        self._prev.clear()
+        self._held.clear()
+        self._last.clear()
+        self._latest.clear()
+        self._learning.clear()
 
     def _end(self) -> None:
-        self._prev.clear()
+        for stack in list(self._held):
+            self._reduce(stack)
+        changed = {stack for stack, t, version in self._learning if t._version != version}
+        self._at_once.update(changed)
+        self._learning.clear()
+        self._last.clear()
+        self._latest.clear()
         self._learned = True
 
-    def _held(self, stack: str, t: torch.Tensor) -> torch.Tensor:
-        """What to keep of a block's stream ``t`` for the next block's cosines: ``t`` itself,
-        or a copy where the stack's streams change in place after their read (``x += f(x)``
-        without autograd) or where that is not known: on the first logged forward, for an
-        inference tensor (which counts no versions), in a compiled graph (which runs the
-        model's in-place operations and cannot look at versions)."""
-        if self._compiled or t.is_inference() or not self._learned or stack in self._copied:
-            return t.clone()
-        return t
+    def _deferred(self, stack: str, t: torch.Tensor) -> bool:
+        """Whether ``t``, a stream of ``stack``, may be held and reduced later: a small plain
+        tensor (where a batched call saves a call's cost per stream, and stacking them costs
+        little memory) that is known not to change in place."""
+        return (
+            self._learned
+            and not self._compiled
+            and type(t) is torch.Tensor
+            and t.numel() <= SMALL
+            and not t.is_inference()
+            and stack not in self._at_once
+        )
 
-    def _keep(self, stack: str, block: int, t: torch.Tensor, norms: torch.Tensor) -> None:
-        """Keep block ``block``'s stream ``t`` for the next block's cosine."""
-        version = -1 if self._compiled or t.is_inference() else t._version
-        self._prev[stack] = (block, self._held(stack, t), t, version, norms)
+    def _kept(self, stack: str, t: torch.Tensor) -> torch.Tensor:
+        """What to keep of a reduced stream ``t`` for the next block's cosine: ``t`` itself, or
+        a copy where it may change in place before then."""
+        return t if self._deferred(stack, t) else t.clone()
 
     def _reader(self, stack: str, block: int) -> Callable[[torch.Tensor], None]:
         reads = self.reads.setdefault(stack, [])
 
-        def read(t: torch.Tensor) -> None:
-            t = probes.plain(t)
-            here = StreamRead(block, t.numel(), probes.row_norms(t))
+        def read(stream: torch.Tensor) -> None:
+            t = probes.plain(stream)
+            here = StreamRead(block, t.numel())
             reads.append(here)
+            self._latest[stack] = (block, t)
             for watch in self.watchers:
-                watch(stack, block, t)
-            if not self.cosines:
-                return
-            prev = self._prev.get(stack)
-            if prev is not None:
-                before, held, original, version, prev_norms = prev
-                changed = version >= 0 and original._version != version
-                if changed:
-                    self._copied.add(stack)
-                fresh = not (changed and held is original)
-                if fresh and before == block - 1 and held.shape == t.shape:
-                    here.dots, here.prev_norms = probes.row_dots(held, t), prev_norms
-            self._keep(stack, block, t, here.norms)
+                watch(stack, block, stream)
+            version = _version(t) if not self._compiled else -1
+            held = self._held.setdefault(stack, [])
+            held.append((here, t, version))
+            if not self._deferred(stack, t):
+                self._reduce(stack, learn=not self._learned and version >= 0)
+            elif len(held) >= self.size:
+                self._reduce(stack)
 
         return read
+
+    def _reduce(self, stack: str, learn: bool = False) -> None:
+        """Reduce the stack's held streams whose values are still those read (dropping the
+        others); ``learn``: the first logged forward, which keeps the last one held to its end
+        to see whether it changes in place."""
+        held = self._held.pop(stack, [])
+        kept = [(r, t) for r, t, version in held if version < 0 or t._version == version]
+        if len(kept) < len(held):  # changed in place since the read: lost, and learned
+            self._at_once.add(stack)
+            dropped = {id(r) for r, _, _ in held}.difference(id(r) for r, _ in kept)
+            self.reads[stack][:] = [r for r in self.reads[stack] if id(r) not in dropped]
+        start = 0
+        while start < len(kept):  # runs of streams alike in shape, dtype and device
+            end = start + 1
+            while end < len(kept) and _alike(kept[end][1], kept[start][1]):
+                end += 1
+            self._reduce_run(stack, kept[start:end])
+            start = end
+        if learn:
+            self._learning.extend((stack, t, version) for _, t, version in held)
+
+    def _reduce_run(self, stack: str, run: list[tuple[StreamRead, torch.Tensor]]) -> None:
+        """Reduce streams alike: several (held) in one batched call per statistic."""
+        streams = [t for _, t in run]
+        stacked = torch.stack(streams) if len(run) > 1 else None
+        if stacked is None:
+            norms: Sequence[torch.Tensor] = [probes.row_norms(streams[0])]
+        else:
+            norms = probes.row_norms_many(stacked).unbind(0)
+        for r, n in zip(run, norms, strict=True):
+            r[0].norms = n
+        if self.cosines:
+            self._pair(stack, run, stacked, norms)
+        blocks = [r.block for r, _ in run]
+        for reduce in self.reducers:
+            reduce(stack, blocks, streams, stacked)
+
+    def _pair(
+        self,
+        stack: str,
+        run: list[tuple[StreamRead, torch.Tensor]],
+        stacked: torch.Tensor | None,
+        norms: Sequence[torch.Tensor],
+    ) -> None:
+        """Each read's dot products with the stream of the block before it, where that was
+        read just before: within the run in one call, the first's with the last one reduced."""
+        last = self._last.get(stack)
+        first, t = run[0]
+        if last is not None and 0 <= last[3] != last[1]._version:
+            self._at_once.add(stack)  # the stream before changed in place: no cosine
+        elif last is not None and last[0] == first.block - 1 and last[1].shape == t.shape:
+            first.dots, first.prev_norms = probes.row_dots(last[1], t), last[2]
+        if stacked is not None:
+            dots = probes.row_dots_many(stacked[:-1], stacked[1:]).unbind(0)
+            for k in range(1, len(run)):
+                here, before = run[k][0], run[k - 1][0]
+                if before.block == here.block - 1:
+                    here.dots, here.prev_norms = dots[k - 1], norms[k - 1]
+        r, t = run[-1]
+        kept = self._kept(stack, t)
+        self._last[stack] = (r.block, kept, norms[-1], _version(kept) if kept is t else -1)
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter, or -1 for an inference tensor, which counts none."""
+    return -1 if t.is_inference() else t._version
+
+
+def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
+def last_adds(model_map: ModelMap) -> dict[str, dict[int, ResidualAdd]]:
+    """Per stack, each block's last residual add, by block in order: `Streams` reads the stream
+    it leaves (its output, or its Post-LN norm's) where `readable`."""
+    found: dict[str, dict[int, ResidualAdd]] = {}
+    for stack in model_map.stacks:
+        last = {a.block: a for a in model_map.adds_in(stack.path) if a.block is not None}
+        found[stack.path] = dict(sorted(last.items()))
+    return found
+
+
+def readable(add: ResidualAdd) -> bool:
+    return add.post_norm is not None or add.anchor is not None
 
 
 def rowwise(
@@ -161,7 +285,11 @@ def rowwise(
 
 
 def stream_rms(reads: Sequence[StreamRead]) -> torch.Tensor:
-    """Each read stream's RMS, from its per-position norms."""
-    if len({(r.numel, r.norms.shape) for r in reads}) == 1:
-        return probes.rms_from_row_norms(torch.stack([r.norms for r in reads]), reads[0].numel)
-    return torch.stack([probes.rms_from_row_norms(r.norms, r.numel) for r in reads])
+    """Each read stream's RMS, from its per-position norms (reduced)."""
+    norms = [r.norms for r in reads if r.norms is not None]
+    assert len(norms) == len(reads), "streams are reduced by the end of the forward"
+    if len({(r.numel, n.shape) for r, n in zip(reads, norms, strict=True)}) == 1:
+        return probes.rms_from_row_norms(torch.stack(norms), reads[0].numel)
+    return torch.stack(
+        [probes.rms_from_row_norms(n, r.numel) for r, n in zip(reads, norms, strict=True)]
+    )

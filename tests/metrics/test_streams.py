@@ -1,0 +1,68 @@
+"""The residual streams of a logged forward are reduced a chunk at a time once the probe knows
+they stay as read: the values of every logged forward, the first (each stream reduced as it
+is read) and the later ones (held and reduced together, in chunks of 32), equal a manual
+forward's, for the stream RMS, the cosines (across chunks too) and the outlier statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import normprobe
+from normprobe import probes, tags
+from normprobe.models import ResidualStack
+
+
+@pytest.mark.parametrize("pre_ln", [True, False])
+def test_every_logged_forward_matches_a_manual_one(pre_ln: bool) -> None:
+    torch.manual_seed(0)
+    model = ResidualStack(40, 16, pre_ln=pre_ln)  # two chunks: 32 blocks and 8
+    x = torch.randn(8, 16)
+    streams, h = [], x
+    with torch.no_grad():
+        for ln, lin in zip(model.lns, model.lins, strict=True):
+            h = h + lin(ln(h)) if pre_ln else ln(h + lin(h))
+            streams.append(h)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay as they are
+    metrics = ["resid_rms", "resid_cos", "outliers"]
+    sink = normprobe.MemorySink()
+    with normprobe.attach(model, opt, every=1, metrics=metrics, sinks=[sink]) as probe:
+        for _ in range(3):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            assert probe.latest is not None
+            profiles = probe.latest.profiles  # each series over the 40 blocks
+            rms, cos = (
+                profiles[tags.format("resid_rms", "lins")],
+                profiles[tags.format("resid_cos", "lins")],
+            )
+            ratios = profiles[tags.format("outlier_ratio", "lins")]
+            channels = profiles[tags.format("outlier_channel", "lins")]
+            kurtoses = profiles[tags.format("outlier_kurtosis", "lins")]
+            for i, stream in enumerate(streams):
+                assert rms[i] == pytest.approx(float(stream.pow(2).mean().sqrt()), rel=1e-5)
+                ratio, channel, kurtosis = probes.outlier_stats(stream).tolist()
+                assert ratios[i] == pytest.approx(ratio, rel=1e-5)
+                assert channels[i] == channel
+                assert kurtoses[i] == pytest.approx(kurtosis, rel=1e-5)
+            for i in range(1, 40):
+                want = float(F.cosine_similarity(streams[i - 1], streams[i], dim=-1).mean())
+                assert cos[i] == pytest.approx(want, rel=1e-5)
+
+
+def test_stacked_reductions_equal_one_at_a_time() -> None:
+    torch.manual_seed(0)
+    for shape in [(6, 10), (2, 5, 10), (2, 3, 4, 5), (10,)]:
+        tensors = [torch.randn(shape) * (k + 1) for k in range(5)]
+        stacked = torch.stack(tensors)
+        norms = probes.row_norms_many(stacked)
+        dots = probes.row_dots_many(stacked[:-1], stacked[1:])
+        parts = probes.outlier_parts_many(stacked)
+        for k, t in enumerate(tensors):
+            assert torch.allclose(norms[k], probes.row_norms(t))
+            if k:
+                assert torch.allclose(dots[k - 1], probes.row_dots(tensors[k - 1], t))
+            for many, one in zip(parts, probes.outlier_parts(t), strict=True):
+                assert torch.allclose(many[k], one)
