@@ -91,11 +91,14 @@ class GradNorm(Family):
         total = grads.total_weights()
         read = [False]  # this step's gradients were read
         sampled_before: list[torch.Tensor] = []  # ... before clipping: a sample's total
+        # ... and the gradients it was taken from, with their versions (None: not comparable)
+        versions: list[list[tuple[torch.Tensor, int]] | None] = [None]
         warned = [False]
 
         def take() -> None:
             read[0] = True
             sampled_before[:] = [grads.sampled_total()] if plan.clipping_visible else []
+            versions[0] = grads.versions() if plan.clipping_visible else None
 
         def at_step() -> None:
             # what `take` saw, put here: a loss scale found at the step is divided out by now
@@ -108,7 +111,12 @@ class GradNorm(Family):
             plan.measured.put(whole, torch.stack([sums[-1], _total(squares, total)]))
             if sampled_before:  # else the step sees the gradients `take` saw
                 before = unscaled(sampled_before.pop(), plan.late_scale)
-                plan.measured.put(stepped, torch.stack([before, grads.sampled_total()]))
+                # gradients nothing clipped since (none replaced, none changed in place): the
+                # same sample, not read again
+                unchanged = grads.unchanged(versions[0]) and plan.late_scale is None
+                after = before if unchanged else grads.sampled_total()
+                versions[0] = None
+                plan.measured.put(stepped, torch.stack([before, after]))
 
         def record(values: Values, out: Out) -> None:
             both = values.get(whole)

@@ -10,7 +10,7 @@ import torch
 from clipping import CLIP, MAX_NORM, batches, check_clipped, clipped_loop
 
 import normprobe
-from normprobe.metrics.core.grads import CLIP_SAMPLE
+from normprobe.metrics.core.grads import CLIP_SAMPLE, GradSquares
 from normprobe.models import MLPStack
 
 
@@ -43,3 +43,34 @@ def test_a_clip_by_value_reads_close_to_the_exact_factor() -> None:
     assert all(0.05 < e < 0.95 for e in exact)  # clipped, and not by one factor everywhere
     read = [r.scalars[CLIP] for r in sink.records]
     assert read == pytest.approx(exact, rel=0.03)
+
+
+def test_gradients_nothing_clipped_are_not_read_again_at_the_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = [0]
+    sampled_total = GradSquares.sampled_total
+
+    def counted(self: GradSquares) -> torch.Tensor:
+        calls[0] += 1
+        return sampled_total(self)
+
+    monkeypatch.setattr(GradSquares, "sampled_total", counted)
+    torch.manual_seed(0)
+    model = MLPStack(depth=2, width=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sink = normprobe.MemorySink()
+    with normprobe.attach(model, opt, every=1, metrics=["grad_norm"], sinks=[sink]) as probe:
+        counts = []
+        for clip in (False, True, False):
+            calls[0] = 0
+            (model(torch.randn(4, 32)) ** 2).mean().backward()
+            if clip:  # in place: the factor is read at the step again
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            opt.step()
+            opt.zero_grad()
+            counts.append(calls[0])
+            assert probe.latest is not None
+            factor = probe.latest.scalars[CLIP]
+            assert factor < 0.1 if clip else factor == 1.0
+    assert counts == [1, 2, 1]  # before clipping; at the step only after a clip

@@ -91,6 +91,25 @@ class GradSquares:
         sums = [sample([grads[i] for i in at]).sum().to(device) for at, sample in self._samplers]
         return unscaled(torch.stack(sums).sum(), self._plan.grad_scale)
 
+    def versions(self) -> list[tuple[torch.Tensor, int]] | None:
+        """The gradients present now, each with its version counter (`unchanged` compares), or
+        None where one is not a plain tensor (a subclass's changes may not count there)."""
+        grads = [g for g in self.holdings.grads(self.params) if g is not None]
+        if any(type(g) is not torch.Tensor for g in grads):
+            return None
+        return [(g, g._version) for g in grads]
+
+    def unchanged(self, versions: list[tuple[torch.Tensor, int]] | None) -> bool:
+        """Whether the gradients present now are those of `versions`, neither replaced nor
+        changed in place (clipped, unscaled) since."""
+        if versions is None:
+            return False
+        now = [g for g in self.holdings.grads(self.params) if g is not None]
+        return len(now) == len(versions) and all(
+            g is held and g._version == version
+            for g, (held, version) in zip(now, versions, strict=True)
+        )
+
     def total_weights(self) -> torch.Tensor | None:
         """1 for each parameter's first place in `params`, 0 for a repeat (a block nested in
         another stack's block), or None when none repeats."""
