@@ -57,8 +57,9 @@ class TensorBoardSink:
       ``heatmap_seconds`` gets its heatmaps when the sink closes: `close` waits for a drawing
       under way and draws (on its own thread) those with columns added since.
     * Text: ``normprobe/flags/run``, what `normprobe report` would flag so far, problems then
-      notes under bold headings, judged every ``heatmap_every`` records and at `close`, and
-      rewritten when it changes.
+      notes under bold headings, judged every ``heatmap_every`` records (within the same
+      ``heatmap_cpu`` share of the wall time as the heatmaps) and at `close`, and rewritten when
+      it changes.
     * The depth profiles themselves are stored for `report` in summaries TensorBoard does not
       display; ``depth_histograms=True`` also writes them as histograms whose buckets are the
       blocks (the Histograms tab's view, whose shared scale hides most of the story).
@@ -116,6 +117,7 @@ class TensorBoardSink:
         self.heatmap_seconds = heatmap_seconds
         self.heatmap_cpu = heatmap_cpu
         self._next_render = math.inf  # when the heatmaps may be drawn next (time.monotonic)
+        self._next_judge = 0.0  # when the flags may be judged next (likewise)
         self._pending: Future[Rendered] | None = None  # the drawing in the background
         self._pending_step = 0  # the step it draws
         self.depth_histograms = depth_histograms
@@ -164,7 +166,8 @@ class TensorBoardSink:
         self._records += 1
         self._last_step = record.step
         if self.heatmap_every and self._records % self.heatmap_every == 0:
-            self._judge_flags()
+            if time.monotonic() >= self._next_judge:
+                self._judge_flags()
             self._start_render()
 
     def _write_profiles(self, record: Record) -> None:
@@ -206,8 +209,12 @@ class TensorBoardSink:
             kept.append((step, value))
 
     def _judge_flags(self) -> None:
-        """Rewrite the flags text if what `report` would flag changed."""
+        """Rewrite the flags text if what `report` would flag changed; the next judging waits
+        until this one's CPU time is ``heatmap_cpu`` of the wall time since (on a run of many
+        fast logged steps and hundreds of tags, a judging can cost more than a step)."""
         from ..metrics.core.run import flag_lines, run_flags
+
+        started = time.thread_time()
 
         scalars = {
             t: ([self._first[t]] if self._first[t][0] < h[0][0] else []) + list(h)
@@ -221,6 +228,8 @@ class TensorBoardSink:
         if text != self._flags_text:
             self._flags_text = text
             self.writer.add_text(tags.format("flags", "run"), text, self._last_step)
+        spent = time.thread_time() - started
+        self._next_judge = time.monotonic() + spent / self.heatmap_cpu
 
     def _start_render(self, now: bool = False) -> None:
         """Draw the heatmaps with new columns on a background thread, if none is drawing and

@@ -278,3 +278,21 @@ def test_custom_scalars_chart_a_few_blocks_each_one_tag() -> None:
     titles = [title for _, title, _ in found]
     assert titles == ["blocks/0", "blocks/3", "blocks/6", "blocks/9", "blocks"]
     assert found[1][2] == "^" + re.escape(tags.format("resid_rms", "blocks", 3, depth=10)) + "$"
+
+
+def test_flags_are_judged_within_the_cpu_budget(tmp_path: Path) -> None:
+    sink = TensorBoardSink(log_dir=str(tmp_path), heatmap_every=1, heatmap_cpu=1e-9)
+    judged = []
+    judge = sink._judge_flags
+
+    def counted() -> None:
+        judged.append(sink._records)
+        judge()
+
+    sink._judge_flags = counted  # type: ignore[method-assign]
+    for step in range(5):
+        sink.write(Record(step, scalars={"normprobe/resid_rms/blocks/0": 1.0}))
+    # the first judging's CPU time at a billionth of the wall time: none again for hours
+    assert judged == [1]
+    sink.close()
+    assert judged == [1, 5]  # and at close
