@@ -155,14 +155,8 @@ class Streams:
         """Whether ``t``, a stream of ``stack``, may be held and reduced later: a small plain
         tensor (where a batched call saves a call's cost per stream, and stacking them costs
         little memory) that is known not to change in place."""
-        return (
-            self._learned
-            and not self._compiled
-            and type(t) is torch.Tensor
-            and t.numel() <= SMALL
-            and not t.is_inference()
-            and stack not in self._at_once
-        )
+        learned = self._learned and not self._compiled
+        return learned and _batchable(t) and stack not in self._at_once
 
     def _kept(self, stack: str, t: torch.Tensor) -> torch.Tensor:
         """What to keep of a reduced stream ``t`` for the next block's cosine: ``t`` itself, or
@@ -183,7 +177,8 @@ class Streams:
             held = self._held.setdefault(stack, [])
             held.append((here, t, version))
             if not self._deferred(stack, t):
-                self._reduce(stack, learn=not self._learned and version >= 0)
+                learn = not self._learned and version >= 0 and _batchable(t)
+                self._reduce(stack, learn=learn)
             elif len(held) >= self.size:
                 self._reduce(stack)
 
@@ -191,8 +186,8 @@ class Streams:
 
     def _reduce(self, stack: str, learn: bool = False) -> None:
         """Reduce the stack's held streams whose values are still those read (dropping the
-        others); ``learn``: the first logged forward, which keeps the last one held to its end
-        to see whether it changes in place."""
+        others); ``learn``: on the first logged forward, keep them to its end to see whether
+        they change in place."""
         held = self._held.pop(stack, [])
         kept = [(r, t) for r, t, version in held if version < 0 or t._version == version]
         if len(kept) < len(held):  # changed in place since the read: lost, and learned
@@ -249,6 +244,12 @@ class Streams:
         r, t = run[-1]
         kept = self._kept(stack, t)
         self._last[stack] = (r.block, kept, norms[-1], _version(kept) if kept is t else -1)
+
+
+def _batchable(t: torch.Tensor) -> bool:
+    """Whether a stream may be held to be reduced with others (where the model leaves it as
+    read, outside a compiled graph): a small plain tensor that counts versions."""
+    return type(t) is torch.Tensor and t.numel() <= SMALL and not t.is_inference()
 
 
 def _version(t: torch.Tensor) -> int:
