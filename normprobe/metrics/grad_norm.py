@@ -90,15 +90,15 @@ class GradNorm(Family):
         stepped = plan.slot(2, plan.param_reduce)
         total = grads.total_weights()
         read = [False]  # this step's gradients were read
-        sampled_before: list[torch.Tensor] = []  # ... before clipping: a sample's total
-        # ... and the gradients it was taken from, with their versions (None: not comparable)
-        versions: list[list[tuple[torch.Tensor, int]] | None] = [None]
+        # ... before clipping: a sample's total, and the gradients it was taken from with
+        # their versions (None: not comparable)
+        sampled_before: list[tuple[torch.Tensor, list[tuple[torch.Tensor, int]] | None]] = []
         warned = [False]
 
         def take() -> None:
             read[0] = True
-            sampled_before[:] = [grads.sampled_total()] if plan.clipping_visible else []
-            versions[0] = grads.versions() if plan.clipping_visible else None
+            visible = plan.clipping_visible
+            sampled_before[:] = [(grads.sampled_total(), grads.versions())] if visible else []
 
         def at_step() -> None:
             # what `take` saw, put here: a loss scale found at the step is divided out by now
@@ -110,12 +110,12 @@ class GradNorm(Family):
                 plan.measured.put(slots[stack], sums[at])
             plan.measured.put(whole, torch.stack([sums[-1], _total(squares, total)]))
             if sampled_before:  # else the step sees the gradients `take` saw
-                before = unscaled(sampled_before.pop(), plan.late_scale)
+                sampled, versions = sampled_before.pop()
+                before = unscaled(sampled, plan.late_scale)
                 # gradients nothing clipped since (none replaced, none changed in place): the
                 # same sample, not read again
-                unchanged = grads.unchanged(versions[0]) and plan.late_scale is None
+                unchanged = grads.unchanged(versions) and plan.late_scale is None
                 after = before if unchanged else grads.sampled_total()
-                versions[0] = None
                 plan.measured.put(stepped, torch.stack([before, after]))
 
         def record(values: Values, out: Out) -> None:

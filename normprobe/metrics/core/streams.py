@@ -50,12 +50,13 @@ class Streams:
     where they are several, stacked along a new first axis (not to be changed).
 
     A stream is held until ``size`` of its stack's are (then reduced in one batched call per
-    statistic) or the forward ends. Streams that the model changes in place after their read
-    (``out += identity`` then ``relu_``) are reduced as soon as they are read: the first logged
-    forward reduces every stream at once and holds them all to its end to learn which stacks'
-    do; so are those of compiled graphs (which run the model's in-place operations and cannot
-    look at versions) and inference tensors (which count none). A held stream found changed
-    when it is reduced (the model changed its ways) is dropped, and its stack learned.
+    statistic) or the forward ends, where it is small (`SMALL`, `_batchable`). Streams that the
+    model changes in place after their read (``out += identity`` then ``relu_``) are reduced as
+    soon as they are read: the first logged forward reduces every stream at once and holds the
+    small ones to its end to learn which stacks' do; so are large streams, those of compiled
+    graphs (which run the model's in-place operations and cannot look at versions) and
+    inference tensors (which count none). A held stream found changed when it is reduced (the
+    model changed its ways) is dropped, and its stack learned.
     """
 
     def __init__(self, plan: Plan, size: int = 32) -> None:

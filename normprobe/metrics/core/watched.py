@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -112,10 +113,7 @@ def _segments(
             outside = {p for p in around if not any(_within(p, m) for m in members)}
             if len(members) > 1 or outside:
                 found[stack.path, b] = [*members, *sorted(outside)]
-    owners: dict[str, int] = {}
-    for paths in found.values():
-        for path in paths:
-            owners[path] = owners.get(path, 0) + 1
+    owners = Counter(path for paths in found.values() for path in paths)
     order = {path: i for i, path in enumerate(plan.modules_in_order)}
     own = {key: [p for p in paths if owners[p] == 1] for key, paths in found.items()}
     return {key: sorted(paths, key=order.__getitem__) for key, paths in own.items() if paths}
