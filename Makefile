@@ -41,13 +41,15 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check normprobe tests examples benchmarks docs
 	$(VENV)/bin/mypy normprobe
 
+# One pytest worker a core (pytest-xdist), tests handed to whichever is free: on 2 CPU cores the
+# suite takes about half its time on one.
 test: lint
-	$(VENV)/bin/pytest --durations=15
+	$(VENV)/bin/pytest -n auto --dist worksteal --durations=15
 
 # The loop while editing: no lint, and none of the tests marked slow, subprocess or distributed
 # (pyproject.toml); about a minute on 2 CPU cores. `make test` runs everything.
 test-fast: $(VENV)/.installed
-	$(VENV)/bin/pytest -m "not slow and not subprocess and not distributed"
+	$(VENV)/bin/pytest -n auto --dist worksteal -m "not slow and not subprocess and not distributed"
 
 # The documentation site (mkdocs.yml, docs/) into site/: a broken link or reference fails it.
 # Open site/index.html, or serve it while editing with `.venv/bin/mkdocs serve`.
