@@ -3,8 +3,6 @@ summary series, the depth profiles `report` reads, the heatmaps' tags, and fast 
 
 from __future__ import annotations
 
-import functools
-import math
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -15,6 +13,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from .. import tags
 from ..common import spread
 from ..metrics import SERIES
+from .scalars import LOG2, STACK_MAX
 
 # A chart of the custom-scalars dashboard: (category, title, regex of the tags it draws).
 Chart = tuple[str, str, str]
@@ -27,11 +26,6 @@ SUMMARY = (
     ("modules with NaN/Inf outputs", "nonfinite"),
 )
 LOSS_REGEX = r"^(train/loss|train_loss|loss)$"
-# the summary draws these ratios as log2 (``normprobe/summary/<series>_log2/<stack>``): a run at
-# 100 and one at 0.5 both read on one axis
-LOG2 = ("grad_ratio", "resid_growth")
-# and these per-module series as each stack's largest (``normprobe/summary/<series>/<stack>``)
-STACK_MAX = ("attn_logit_max",)
 # Custom Scalars charts of a per-block series: this many blocks spread over the depth, one chart
 # each (TensorBoard colours a chart's lines by run, without a legend)
 CHART_BLOCKS = 4
@@ -98,34 +92,6 @@ def _chart(regex: str) -> list[Any]:
 
 def _summary_prefix(name: str) -> str:
     return re.escape(tags.prefix("summary", name))
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _companion(tag: str) -> tuple[str, str] | None:
-    """The summary tag ``tag``'s value goes to, and how: ``log2`` or ``max`` (over a stack)."""
-    t = tags.parse(tag)
-    if t is None:
-        return None
-    if t.series in LOG2 and t.block is None:
-        return tags.format("summary", f"{t.series}_log2/{t.subject}"), "log2"
-    if t.series in STACK_MAX:
-        return tags.format("summary", f"{t.series}/{t.subject}"), "max"
-    return None
-
-
-def companions(scalars: dict[str, float]) -> dict[str, float]:
-    """The summary's own tags: log2 of the `LOG2` ratios, each stack's largest `STACK_MAX`."""
-    out: dict[str, float] = {}
-    for tag, value in scalars.items():
-        found = _companion(tag)
-        if found is None:
-            continue
-        name, how = found
-        if how == "log2":
-            out[name] = math.log2(value) if value > 0 and math.isfinite(value) else math.nan
-        elif not value <= out.get(name, -math.inf):  # NaN and Inf win: they are the news
-            out[name] = value
-    return out
 
 
 def profile_summary(profiles: dict[str, list[float]]) -> Summary:

@@ -19,12 +19,12 @@ from ..metrics import SERIES
 from .heatmaps import Picture, Rendered, render
 from .log_dir import check_log_dir
 from .record import Record
+from .scalars import ScalarSummaries
 from .summaries import (
     HEATMAP_COLUMNS,
     HEATMAP_MIN_COLUMNS,
     HISTORY,
     LABELS,
-    companions,
     custom_scalars_layout,
     depth_histogram,
     heatmap_tag,
@@ -128,8 +128,12 @@ class TensorBoardSink:
         self._heads: dict[tuple[str, str, str], dict[int, list[float]]] = {}
         self._drawn_heads: set[tuple[str, str, str]] = set()
         self._drawn: set[str] = set()  # profiles drawn since their last new column
+        self._scalar_summaries = ScalarSummaries()
+        # the flags' history: each tag's last HISTORY (step, value) and its first, folded in
+        # from the records not folded yet when the flags are judged
         self._history: dict[str, deque[tuple[int, float]]] = {}
         self._first: dict[str, tuple[int, float]] = {}
+        self._unfolded: list[tuple[int, dict[str, float]]] = []
         self._texts: dict[str, list[tuple[int, str]]] = {}
         self._flags_text: str | None = None
         self._no_plots = False
@@ -148,17 +152,13 @@ class TensorBoardSink:
         if not self.layout_written:
             self.layout_written = True
             self.writer.add_custom_scalars(custom_scalars_layout(record.scalars))
-        if record.scalars:
-            # one event holding every scalar: hundreds of add_scalar calls cost more than a step
-            summary = Summary()
-            add = summary.value.add  # in place: a Value object per scalar costs twice as much
-            for tag, value in record.scalars.items():
-                add(tag=tag, simple_value=value)
-            for tag, value in companions(record.scalars).items():
-                add(tag=tag, simple_value=value)
-            self.writer._get_file_writer().add_summary(summary, record.step)
+        # one event holding every scalar and depth profile of the step
+        summary = self._scalar_summaries.summary(record.scalars) if record.scalars else Summary()
         if record.profiles:
-            self._write_profiles(record)
+            summary.MergeFrom(profile_summary(record.profiles))
+            self._keep_profiles(record)
+        if summary.value:
+            self.writer._get_file_writer().add_summary(summary, record.step)
         for tag, text in record.texts.items():
             self.writer.add_text(tag, text, record.step)
             self._texts.setdefault(tag, []).append((record.step, text))
@@ -170,9 +170,8 @@ class TensorBoardSink:
                 self._judge_flags()
             self._start_render()
 
-    def _write_profiles(self, record: Record) -> None:
-        """The depth profiles, for `report`, and their columns kept for the heatmaps."""
-        self.writer._get_file_writer().add_summary(profile_summary(record.profiles), record.step)
+    def _keep_profiles(self, record: Record) -> None:
+        """The depth profiles' columns kept for the heatmaps (and their histograms)."""
         for tag, values in record.profiles.items():
             parsed = tags.parse(tag)
             series = SERIES.get(parsed.series) if parsed is not None else None
@@ -200,13 +199,37 @@ class TensorBoardSink:
         self._drawn_heads.discard(key)
 
     def _remember(self, record: Record) -> None:
-        step, history = record.step, self._history
-        for tag, value in record.scalars.items():
-            kept = history.get(tag)
-            if kept is None:
-                kept = history[tag] = deque(maxlen=HISTORY)
-                self._first[tag] = (step, value)
-            kept.append((step, value))
+        self._unfolded.append((record.step, record.scalars))
+        if len(self._unfolded) >= 4 * HISTORY:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Fold the records kept since the last fold into `_first` and `_history`."""
+        records, self._unfolded = self._unfolded, []
+        if not records:
+            return
+        first = self._first
+        for step, scalars in records:
+            if not scalars.keys() <= first.keys():
+                for tag in scalars.keys() - first.keys():
+                    first[tag] = (step, scalars[tag])
+        # a tag in each of the last HISTORY records: those alone; any other: its every value
+        recent = records[-HISTORY:]
+        everywhere = set(recent[0][1]).intersection(*(scalars for _, scalars in recent[1:]))
+        steps = [step for step, _ in recent]
+        for tag in everywhere:  # a column at a time
+            self._kept(tag).extend(zip(steps, [scalars[tag] for _, scalars in recent], strict=True))
+        for step, scalars in records:
+            if not scalars.keys() <= everywhere:
+                for tag, value in scalars.items():
+                    if tag not in everywhere:
+                        self._kept(tag).append((step, value))
+
+    def _kept(self, tag: str) -> deque[tuple[int, float]]:
+        kept = self._history.get(tag)
+        if kept is None:
+            kept = self._history[tag] = deque(maxlen=HISTORY)
+        return kept
 
     def _judge_flags(self) -> None:
         """Rewrite the flags text if what `report` would flag changed; the next judging waits
@@ -215,7 +238,7 @@ class TensorBoardSink:
         from ..metrics.core.run import flag_lines, run_flags
 
         started = time.thread_time()
-
+        self._fold()
         scalars = {
             t: ([self._first[t]] if self._first[t][0] < h[0][0] else []) + list(h)
             for t, h in self._history.items()
