@@ -90,15 +90,17 @@ class GradNorm(Family):
         stepped = plan.slot(2, plan.param_reduce)
         total = grads.total_weights()
         read = [False]  # this step's gradients were read
-        # ... before clipping: a sample's total, and the gradients it was taken from with
-        # their versions (None: not comparable)
-        sampled_before: list[tuple[torch.Tensor, list[tuple[torch.Tensor, int]] | None]] = []
+        # ... before clipping: a sample's total (None: the sample reads every gradient whole, so
+        # it is the total of the squares taken with it), and the gradients it was taken from
+        # with their versions (None: not comparable)
+        sampled_before: list[tuple[torch.Tensor | None, list[tuple[torch.Tensor, int]] | None]] = []
         warned = [False]
 
         def take() -> None:
             read[0] = True
             visible = plan.clipping_visible
-            sampled_before[:] = [(grads.sampled_total(), grads.versions())] if visible else []
+            sampled = None if grads.sample_is_whole else grads.sampled_total()
+            sampled_before[:] = [(sampled, grads.versions())] if visible else []
 
         def at_step() -> None:
             # what `take` saw, put here: a loss scale found at the step is divided out by now
@@ -108,10 +110,11 @@ class GradNorm(Family):
             read[0] = False
             for stack, at in blocks.items():
                 plan.measured.put(slots[stack], sums[at])
-            plan.measured.put(whole, torch.stack([sums[-1], _total(squares, total)]))
+            total_squares = _total(squares, total)
+            plan.measured.put(whole, torch.stack([sums[-1], total_squares]))
             if sampled_before:  # else the step sees the gradients `take` saw
                 sampled, versions = sampled_before.pop()
-                before = unscaled(sampled, plan.late_scale)
+                before = total_squares if sampled is None else unscaled(sampled, plan.late_scale)
                 # gradients nothing clipped since (none replaced, none changed in place): the
                 # same sample, not read again
                 unchanged = grads.unchanged(versions) and plan.late_scale is None

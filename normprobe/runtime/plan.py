@@ -101,6 +101,7 @@ class ProbePlan:
         self.compiled = compiled
         self.measured = measured
         self.grad_scale: torch.Tensor | None = None
+        self.grad_squares_read: tuple[Mapping[int, int], torch.Tensor] | None = None
         self.late_scale: torch.Tensor | None = None
         self.clipping_visible = False
         self.clip_norm: float | None = None

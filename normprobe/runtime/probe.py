@@ -305,15 +305,18 @@ class Probe:
             return
         self._gradients_read = True
         scale = loss_scale(self.scaler, self.optimizer, at_step)
+        read = None
         if self._spikes is not None:
             self._spikes.detector.measure(scale)
+            read = self._spikes.detector.read_whole
         if self._logged and self._plan is not None:
             self._plan.grad_scale = scale
+            self._plan.grad_squares_read = read
             self._plan.clipping_visible = not at_step
             try:
                 self._plan.run("gradients")
             finally:
-                self._plan.grad_scale = None
+                self._plan.grad_scale = self._plan.grad_squares_read = None
 
     def before_optimizer_step(self) -> None:
         """Read the gradients unless a backward's end read them (no backward through the

@@ -135,6 +135,10 @@ class SpikeDetector:
         self._explicit_loss = False
         self._checked = 0  # steps watched so far: the ring buffers' position
         self._measured = False  # the step's gradient norms are taken
+        # the last `measure`'s squared norm of each parameter's gradient, with each parameter's
+        # position in it by id, when it read every gradient whole (`read_whole`)
+        self.read_whole: tuple[dict[int, int], torch.Tensor] | None = None
+        self._positions: dict[int, int] | None = None
         # (step, host slot, the copy's CUDA event) of the verdicts not read yet
         self._pending: deque[tuple[int, int, torch.cuda.Event | None]] = deque()
         self._read_early: list[SpikeEvent] = []  # read to free their slot, not handed over yet
@@ -192,6 +196,8 @@ class SpikeDetector:
                 squares = torch.cat(
                     [s([grads[i] for i in at]).to(device) for at, s in self._passes]
                 )
+            if self._positions is not None:
+                self.read_whole = (self._positions, squares)
             torch.mv(self._members.view(self.columns - 1, -1), squares, out=self._sums)
             if scale is not None:
                 self._sums.div_(scale.to(device) ** 2)
@@ -267,6 +273,8 @@ class SpikeDetector:
         ]
         # the parameters in the order the passes give their sums
         order = [at[i] for at, squares in self._passes for i in squares.order]
+        whole = not any(squares.runs for _, squares in self._passes)
+        self._positions = {id(self.params[i]): j for j, i in enumerate(order)} if whole else None
         self._members = self._by_param.view(columns - 1, -1)[:, order].reshape(-1).to(device)
         self._sums = torch.empty(columns - 1, device=device)
         on_cpu = device.type == "cpu"

@@ -14,11 +14,15 @@ from normprobe.metrics.core.grads import CLIP_SAMPLE, GradSquares
 from normprobe.models import MLPStack
 
 
-def test_a_sampled_clip_factor_is_exact_under_clip_grad_norm() -> None:
+# width 128: read from a sample; width 16: every gradient whole, the total before clipping is
+# grad_norm's own
+@pytest.mark.parametrize("width", [128, 16])
+def test_the_clip_factor_is_exact_under_clip_grad_norm(width: int) -> None:
     torch.manual_seed(0)
-    model = MLPStack(depth=2, width=128)
-    assert max(p.numel() for p in model.parameters()) > 10 * CLIP_SAMPLE  # read from a sample
-    records, hand, totals = clipped_loop(model, batches(3, width=128))
+    model = MLPStack(depth=2, width=width)
+    largest = max(p.numel() for p in model.parameters())
+    assert largest > 10 * CLIP_SAMPLE if width == 128 else largest <= CLIP_SAMPLE
+    records, hand, totals = clipped_loop(model, batches(3, width=width))
     check_clipped(records, hand, totals, 2)  # the factor: MAX_NORM / total, to 1e-4
     for record, total in zip(records, totals, strict=True):
         assert record.scalars[CLIP] == pytest.approx(MAX_NORM / total, rel=1e-5)
@@ -45,8 +49,11 @@ def test_a_clip_by_value_reads_close_to_the_exact_factor() -> None:
     assert read == pytest.approx(exact, rel=0.03)
 
 
+# width 32: every gradient at most CLIP_SAMPLE entries, so the sample before clipping is the
+# total of the squares grad_norm takes anyway (no read); width 64: the 64x256 weights are sampled
+@pytest.mark.parametrize(("width", "reads"), [(32, [0, 1, 0]), (64, [1, 2, 1])])
 def test_gradients_nothing_clipped_are_not_read_again_at_the_step(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, width: int, reads: list[int]
 ) -> None:
     calls = [0]
     sampled_total = GradSquares.sampled_total
@@ -57,14 +64,14 @@ def test_gradients_nothing_clipped_are_not_read_again_at_the_step(
 
     monkeypatch.setattr(GradSquares, "sampled_total", counted)
     torch.manual_seed(0)
-    model = MLPStack(depth=2, width=32)
+    model = MLPStack(depth=2, width=width)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sink = normprobe.MemorySink()
     with normprobe.attach(model, opt, every=1, metrics=["grad_norm"], sinks=[sink]) as probe:
         counts = []
         for clip in (False, True, False):
             calls[0] = 0
-            (model(torch.randn(4, 32)) ** 2).mean().backward()
+            (model(torch.randn(4, width)) ** 2).mean().backward()
             if clip:  # in place: the factor is read at the step again
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
             opt.step()
@@ -73,4 +80,4 @@ def test_gradients_nothing_clipped_are_not_read_again_at_the_step(
             assert probe.latest is not None
             factor = probe.latest.scalars[CLIP]
             assert factor < 0.1 if clip else factor == 1.0
-    assert counts == [1, 2, 1]  # before clipping; at the step only after a clip
+    assert counts == reads  # before clipping (unless whole); at the step only after a clip

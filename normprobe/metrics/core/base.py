@@ -121,6 +121,10 @@ class Plan(Protocol):
     # while `on_gradients` callbacks run: the loss scale the gradients carry (a GradScaler's,
     # on the device), else None
     grad_scale: torch.Tensor | None
+    # while `on_gradients` callbacks run: the squared norm of every trainable parameter's
+    # gradient read whole just now (float32, the loss scale not divided out), with each
+    # parameter's position in it by id (the spike detector's), else None
+    grad_squares_read: tuple[Mapping[int, int], torch.Tensor] | None
     # while `before_step` callbacks run: a loss scale the gradients read by this step's
     # `on_gradients` callbacks still carried, found only at the step (a GradScaler stepping the
     # optimizer that was not handed to attach), else None

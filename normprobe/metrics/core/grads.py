@@ -5,6 +5,8 @@ gradients are not finite)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ... import probes
@@ -43,6 +45,9 @@ class GradSquares:
         self.position = {id(p): i for i, p in reversed(list(enumerate(self.params)))}
         self._index: dict[torch.device, torch.Tensor] = {}
         self._samplers: list[tuple[list[int], probes.SquareSums]] | None = None
+        # the positions of `params` in `Plan.grad_squares_read` (None: not all there), by the
+        # mapping they were found in
+        self._read_at: tuple[Mapping[int, int], torch.Tensor | None] | None = None
         self._plan = plan
 
     @staticmethod
@@ -68,7 +73,21 @@ class GradSquares:
         clipping scales every gradient by one factor (``clip_grad_norm_``), within the sample's
         error otherwise."""
         grads = self.holdings.grads(self.params)
+        device = self.params[0].device
+        sums = [sample([grads[i] for i in at]).sum().to(device) for at, sample in self._sampled()]
+        return unscaled(torch.stack(sums).sum(), self._plan.grad_scale)
+
+    @property
+    def sample_is_whole(self) -> bool:
+        """Whether `sampled_total` reads every gradient whole (none past `CLIP_SAMPLE` entries):
+        then it equals the total of `squares` taken at the same moment."""
+        return not any(sample.runs for _, sample in self._sampled())
+
+    def _sampled(self) -> list[tuple[list[int], probes.SquareSums]]:
+        """The samplers of `sampled_total`, one per device, each with its positions in `params`
+        (each parameter once); made on first use."""
         if self._samplers is None:
+            grads = self.holdings.grads(self.params)
             weights = self.holdings.weights(self.params)
             on: dict[torch.device, list[int]] = {}
             seen: set[int] = set()
@@ -87,9 +106,7 @@ class GradSquares:
                 )
                 for at in on.values()
             ]
-        device = self.params[0].device
-        sums = [sample([grads[i] for i in at]).sum().to(device) for at, sample in self._samplers]
-        return unscaled(torch.stack(sums).sum(), self._plan.grad_scale)
+        return self._samplers
 
     def versions(self) -> list[tuple[torch.Tensor, int]] | None:
         """The gradients present now, each with its version counter (`unchanged` compares), or
@@ -124,8 +141,28 @@ class GradSquares:
         """Read the gradients (`Plan.on_gradients`)."""
         if not self.params:
             return
-        squares = self.squared_norms()
+        squares = self._already_read()
+        if squares is None:
+            squares = self.squared_norms()
         self.squares = unscaled(squares, self._plan.grad_scale)
+
+    def _already_read(self) -> torch.Tensor | None:
+        """`squared_norms` from `Plan.grad_squares_read` when it holds every parameter's (each
+        gradient read whole, as here) and this rank holds whole gradients, else None."""
+        read = self._plan.grad_squares_read
+        if read is None or self.holdings.partitioned or self.by_shape.dtype != torch.float32:
+            return None
+        positions, squares = read
+        if squares.device != self.params[0].device:
+            return None
+        if self._read_at is None or self._read_at[0] is not positions:
+            at = [positions.get(id(p)) for p in self.params]
+            index = None
+            if all(i is not None for i in at):
+                index = torch.tensor(at, dtype=torch.long, device=squares.device)
+            self._read_at = (positions, index)
+        index = self._read_at[1]
+        return None if index is None else squares.index_select(0, index)
 
     def unscale_late(self) -> None:
         """Divide a loss scale found at the step (`Plan.late_scale`) out of `squares`."""
