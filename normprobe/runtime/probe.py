@@ -305,10 +305,7 @@ class Probe:
             return
         self._gradients_read = True
         scale = loss_scale(self.scaler, self.optimizer, at_step)
-        read = None
-        if self._spikes is not None:
-            self._spikes.detector.measure(scale)
-            read = self._spikes.detector.read_whole
+        read = self._spikes.detector.measure(scale) if self._spikes is not None else None
         if self._logged and self._plan is not None:
             self._plan.grad_scale = scale
             self._plan.grad_squares_read = read

@@ -181,10 +181,12 @@ class SpikeDetector:
         self._loss = value if self._loss is None else self._loss + value
         self._losses += 1
 
-    def measure(self, scale: torch.Tensor | None = None) -> None:
+    def measure(
+        self, scale: torch.Tensor | None = None
+    ) -> tuple[dict[int, int], torch.Tensor] | None:
         """Take the step's gradient norms from the gradients present now (complete and not
         clipped yet: at the end of the backward), divided by a loss scaler's ``scale``; the last
-        measure before `watch` counts."""
+        measure before `watch` counts. Returns `read_whole`."""
         device = self.params[0].device
         if self._device != device:
             self._allocate(device)
@@ -203,6 +205,7 @@ class SpikeDetector:
                 self._sums.div_(scale.to(device) ** 2)
             torch.sqrt(self._sums, out=self._x[1:])
         self._measured = True
+        return self.read_whole
 
     def unscale(self, scale: torch.Tensor) -> None:
         """Divide a loss scale found only at the step out of the gradient norms `measure`d."""
@@ -275,6 +278,7 @@ class SpikeDetector:
         order = [at[i] for at, squares in self._passes for i in squares.order]
         whole = not any(squares.runs for _, squares in self._passes)
         self._positions = {id(self.params[i]): j for j, i in enumerate(order)} if whole else None
+        self.read_whole = None
         self._members = self._by_param.view(columns - 1, -1)[:, order].reshape(-1).to(device)
         self._sums = torch.empty(columns - 1, device=device)
         on_cpu = device.type == "cpu"
