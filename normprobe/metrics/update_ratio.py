@@ -26,7 +26,8 @@ class UpdateRatio(Family):
         "||new - old|| / ||old|| of each block's parameters across the optimizer "
         f"step (exact up to {SAMPLE_MIN} entries per tensor; beyond, from an evenly strided "
         f"sample of {SAMPLE_FRACTION:.1%} of the entries, so the copy it needs stays small: "
-        "within 0.3% of the exact ratio on the test model)"
+        "within 2% of the exact ratio: 0.8-1.7% for the worst block of a 12-block MLP and a "
+        "GPT-2-style model, at init and after 30 AdamW steps)"
     )
     series = (Series("update_ratio", "block", "mean"),)
 
