@@ -181,8 +181,9 @@ class SquareSums:
     ``CHUNK * q`` entries, ``q`` prime to a row's length (the entries past the first axis) so
     that the runs walk through all columns rather than repeat a few; its sum of squares times
     numel / entries read estimates the tensor's. The positions are the same at every step.
-    The plain tensors read whole of at most `SMALL_NUMEL` entries are concatenated, reduced in
-    one call (a CPU spends microseconds on each call); the others (larger, a DTensor, a
+    The plain tensors read whole of at most `SMALL_NUMEL` entries are stacked a shape at a
+    time where a shape repeats, the rest concatenated, each reduced in one call (a CPU spends
+    microseconds on each call); the others (larger, a DTensor, a
     subclass) are read as `squared_norms` does. Results come in float32, in the order of
     `order` (positions in the list).
     """
@@ -212,7 +213,19 @@ class SquareSums:
             and not (whole and whole[i])
         ]
         self.alone = [i for i in range(len(tensors)) if i not in sampled and i not in joined]
-        self.order = joined + [i for i, _, _ in runs] + self.alone
+        # of those, the tensors whose shape and dtype repeat are stacked a shape at a time (no
+        # reshape call each); the others concatenated
+        by_shape: dict[tuple[object, ...], list[int]] = {}
+        for i in joined:
+            if tensors[i].dtype != torch.float64:
+                by_shape.setdefault((tensors[i].shape, tensors[i].dtype), []).append(i)
+        self.groups = [
+            (group, tensors[group[0]].shape) for group in by_shape.values() if len(group) > 1
+        ]
+        grouped = {i for group, _ in self.groups for i in group}
+        joined = [i for i in joined if i not in grouped]
+        self.order = [i for group, _ in self.groups for i in group]
+        self.order += joined + [i for i, _, _ in runs] + self.alone
         self.joined = [(i, tensors[i].dim() != 1, tensors[i].numel()) for i in joined]
         self.runs = runs
         self.sampled = [i for i, _, _ in runs]  # the positions of the tensors sampled
@@ -229,6 +242,12 @@ class SquareSums:
         """The sums (estimates of the sampled ones) of ``tensors`` in the order `order`; under
         ``torch.no_grad()`` for gradients made with ``create_graph``."""
         parts = []
+        for group, shape in self.groups:
+            members = [
+                self._zero(shape.numel()).view(shape) if (t := tensors[i]) is None else t
+                for i in group
+            ]
+            parts.append(_row_squares(torch.stack(members)))
         if self.joined:
             flat = torch.cat(
                 [

@@ -408,10 +408,14 @@ def test_square_sums_read_whole_are_exact_for_every_kind_of_gradient() -> None:
         torch.randn(40, 30).t(),  # not contiguous
         conv,
         torch.randn(10),  # a missing gradient, below
+        # shapes that repeat: stacked a shape at a time, a missing gradient among them too
+        *(torch.randn(6, 4) for _ in range(3)),
+        *(torch.randn(6, 4).bfloat16() for _ in range(2)),
     ]
     squares = probes.SquareSums(tensors, sample=None)
     assert not squares.sampled
-    given: list[torch.Tensor | None] = [*tensors[:-1], None]
+    assert [group for group, _ in squares.groups] == [[8, 9, 10], [11, 12]]
+    given: list[torch.Tensor | None] = [*tensors[:7], None, tensors[8], None, *tensors[10:12], None]
     want = _exact_squares([t.float() if t is not None else None for t in given])
     assert _in_order(squares, squares(given)) == pytest.approx(want, rel=1e-5)
 
