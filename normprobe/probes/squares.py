@@ -63,13 +63,16 @@ class ByShape:
     ) -> None:
         """``groupable``: which tensors may join a group (all by default)."""
         self.count = len(tensors)
-        by_key: dict[tuple[object, ...], list[int]] = {}
-        for i, t in enumerate(tensors):
-            small = t.numel() <= SMALL_NUMEL and t.dtype != torch.float64
-            plain = type(t) in (torch.Tensor, torch.nn.Parameter)  # no DTensor, no subclass
-            if small and plain and (groupable is None or groupable[i]):
-                by_key.setdefault((t.shape, t.dtype, t.device), []).append(i)
-        self.groups = [group for group in by_key.values() if len(group) > 1]
+        self.groups = _repeated_shapes(
+            tensors,
+            [
+                i
+                for i, t in enumerate(tensors)
+                if t.numel() <= SMALL_NUMEL
+                and type(t) in (torch.Tensor, torch.nn.Parameter)  # no DTensor, no subclass
+                and (groupable is None or groupable[i])
+            ],
+        )
         grouped = {i for group in self.groups for i in group}
         self.alone = [i for i in range(self.count) if i not in grouped]
         wide = any(tensors[i].dtype == torch.float64 for i in self.alone)
@@ -160,6 +163,17 @@ class ByShape:
         return self._positions[device]
 
 
+def _repeated_shapes(tensors: Sequence[torch.Tensor], candidates: list[int]) -> list[list[int]]:
+    """The positions among ``candidates`` of the tensors whose shape, dtype and device repeat,
+    a group for each (float64 ones left out): each group is stacked and reduced in one call."""
+    by_key: dict[tuple[object, ...], list[int]] = {}
+    for i in candidates:
+        t = tensors[i]
+        if t.dtype != torch.float64:
+            by_key.setdefault((t.shape, t.dtype, t.device), []).append(i)
+    return [group for group in by_key.values() if len(group) > 1]
+
+
 def _row_squares(stacked: torch.Tensor) -> torch.Tensor:
     """The sum of squares of each tensor stacked along the first axis, in float32."""
     rows = stacked.reshape(len(stacked), -1)
@@ -213,14 +227,10 @@ class SquareSums:
             and not (whole and whole[i])
         ]
         self.alone = [i for i in range(len(tensors)) if i not in sampled and i not in joined]
-        # of those, the tensors whose shape and dtype repeat are stacked a shape at a time (no
-        # reshape call each); the others concatenated
-        by_shape: dict[tuple[object, ...], list[int]] = {}
-        for i in joined:
-            if tensors[i].dtype != torch.float64:
-                by_shape.setdefault((tensors[i].shape, tensors[i].dtype), []).append(i)
+        # of those, the tensors whose shape repeats are stacked a shape at a time (no reshape
+        # call each); the others concatenated
         self.groups = [
-            (group, tensors[group[0]].shape) for group in by_shape.values() if len(group) > 1
+            (group, tensors[group[0]].shape) for group in _repeated_shapes(tensors, joined)
         ]
         grouped = {i for group, _ in self.groups for i in group}
         joined = [i for i in joined if i not in grouped]

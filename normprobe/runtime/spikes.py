@@ -135,9 +135,8 @@ class SpikeDetector:
         self._explicit_loss = False
         self._checked = 0  # steps watched so far: the ring buffers' position
         self._measured = False  # the step's gradient norms are taken
-        # the last `measure`'s squared norm of each parameter's gradient, with each parameter's
-        # position in it by id, when it read every gradient whole (`read_whole`)
-        self.read_whole: tuple[dict[int, int], torch.Tensor] | None = None
+        # each parameter's position by id in what `measure` reads, when it reads every gradient
+        # whole (else None)
         self._positions: dict[int, int] | None = None
         # (step, host slot, the copy's CUDA event) of the verdicts not read yet
         self._pending: deque[tuple[int, int, torch.cuda.Event | None]] = deque()
@@ -186,7 +185,8 @@ class SpikeDetector:
     ) -> tuple[dict[int, int], torch.Tensor] | None:
         """Take the step's gradient norms from the gradients present now (complete and not
         clipped yet: at the end of the backward), divided by a loss scaler's ``scale``; the last
-        measure before `watch` counts. Returns `read_whole`."""
+        measure before `watch` counts. Returns the squared norm of each parameter's gradient
+        with each parameter's position in it by id, when every gradient was read whole."""
         device = self.params[0].device
         if self._device != device:
             self._allocate(device)
@@ -198,14 +198,12 @@ class SpikeDetector:
                 squares = torch.cat(
                     [s([grads[i] for i in at]).to(device) for at, s in self._passes]
                 )
-            if self._positions is not None:
-                self.read_whole = (self._positions, squares)
             torch.mv(self._members.view(self.columns - 1, -1), squares, out=self._sums)
             if scale is not None:
                 self._sums.div_(scale.to(device) ** 2)
             torch.sqrt(self._sums, out=self._x[1:])
         self._measured = True
-        return self.read_whole
+        return None if self._positions is None else (self._positions, squares)
 
     def unscale(self, scale: torch.Tensor) -> None:
         """Divide a loss scale found only at the step out of the gradient norms `measure`d."""
@@ -278,7 +276,6 @@ class SpikeDetector:
         order = [at[i] for at, squares in self._passes for i in squares.order]
         whole = not any(squares.runs for _, squares in self._passes)
         self._positions = {id(self.params[i]): j for j, i in enumerate(order)} if whole else None
-        self.read_whole = None
         self._members = self._by_param.view(columns - 1, -1)[:, order].reshape(-1).to(device)
         self._sums = torch.empty(columns - 1, device=device)
         on_cpu = device.type == "cpu"
