@@ -33,7 +33,7 @@ from .attention import (
     mha_qk,
     sdpa_logit_max,
 )
-from .base import feature_dim, plain, same_values, sample_stride
+from .base import feature_dim, group_sums, plain, same_values, sample_stride
 from .outliers import (
     MEDIAN_SAMPLE,
     OutlierParts,
@@ -48,7 +48,6 @@ from .squares import (
     SMALL_NUMEL,
     ByShape,
     SquareSums,
-    group_sums,
     squared_norms,
     strided_samples,
     strided_views,

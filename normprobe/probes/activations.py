@@ -19,6 +19,7 @@ from .base import (
     wide_dtype,
 )
 from .shards import any_dtensor, local, local_part
+from .squares import squared_norms
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:
@@ -28,8 +29,13 @@ def rms(x: torch.Tensor) -> torch.Tensor:
 
 def rms_many(tensors: list[torch.Tensor]) -> torch.Tensor:
     """`rms` of each tensor, as one float32 vector, in one batched reduction."""
-    if any_dtensor(tensors) or any(t.dtype == torch.float64 or large_on_cpu(t) for t in tensors):
+    if any_dtensor(tensors) or any(t.dtype == torch.float64 for t in tensors):
         return torch.stack([rms(t).float() for t in tensors])
+    if any(large_on_cpu(t) for t in tensors):  # row by row, as `square_sum` reads them
+        if any(t.device.type != "cpu" for t in tensors):
+            return torch.stack([rms(t).float() for t in tensors])
+        sizes = torch.tensor([max(t.numel(), 1) for t in tensors], dtype=torch.float32)
+        return squared_norms(tensors).float().div_(sizes).sqrt_()
     norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     scales = [1 / math.sqrt(max(t.numel(), 1)) for t in tensors]
     return stack_scalars(torch._foreach_mul(norms, scales))
@@ -59,6 +65,11 @@ def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     `row_norms`, in float32 or wider."""
     wide, dim = wide_dtype(a), feature_dim(a)
     a, b = (plain(t) if t.dtype == wide else plain(t).to(wide) for t in (a, b))
+    if a.device.type == "cpu" and dim == a.ndim - 1:
+        # a dot product per position, without the product tensor vecdot makes: on a CPU, a
+        # stream's worth of fresh memory each call
+        features = a.shape[-1]
+        return torch.bmm(a.reshape(-1, 1, features), b.reshape(-1, features, 1)).reshape(-1)
     return torch.linalg.vecdot(a, b, dim=dim).reshape(-1)
 
 

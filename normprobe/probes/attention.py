@@ -54,6 +54,16 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(-2, index.expand(*index.shape[:-1], x.shape[-1]))
 
 
+def _sample_size(tokens: int) -> int:
+    return max(SAMPLE_ROWS, -(-tokens // SAMPLE_SHARE))
+
+
+def _sampled(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether `logit_sample` forms fewer products than every query with every key."""
+    t_q, t_k = query.shape[-2], key.shape[-2]
+    return _sample_size(t_q) * t_k + t_q * _sample_size(t_k) < t_q * t_k
+
+
 def logit_sample(query: torch.Tensor, key: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Pairs (queries, keys) whose products `sdpa_logit_max` forms: ``[(query, key)]`` when that
     costs no more than the sample, else the queries with every key and every query with the
@@ -64,11 +74,10 @@ def logit_sample(query: torch.Tensor, key: torch.Tensor) -> list[tuple[torch.Ten
     taken are those with the largest such bound. ``key`` may have fewer heads than ``query``
     (grouped-query attention).
     """
-    t_q, t_k = query.shape[-2], key.shape[-2]
-    rows = max(SAMPLE_ROWS, -(-t_q // SAMPLE_SHARE))
-    cols = max(SAMPLE_ROWS, -(-t_k // SAMPLE_SHARE))
-    if rows * t_k + t_q * cols >= t_q * t_k:
+    if not _sampled(query, key):
         return [(query, key)]
+    t_q, t_k = query.shape[-2], key.shape[-2]
+    rows, cols = _sample_size(t_q), _sample_size(t_k)
     mean = key.mean(dim=-2, keepdim=True)
     far = torch.linalg.vector_norm(key - mean, dim=-1, keepdim=True).topk(cols + 1, dim=-2)
     radius = far.values[..., cols:, :]  # the largest distance among the keys not taken
@@ -99,34 +108,57 @@ def sdpa_logit_max(
     ``chunk_elements`` floats whatever the sequence length. Grouped-query attention (fewer key
     heads) serves each key head's queries together.
     """
-    # contiguous: the matmuls and gathers of strided q and k (views of a fused qkv) copy them
-    q, k = query.detach().float().contiguous(), key.detach().float().contiguous()
+    q, k = query.detach().float(), key.detach().float()
     if heads is None:
         heads = q.shape[-3] if q.ndim >= 3 else 1
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     best = torch.zeros(heads, device=q.device)
-    for qs, ks in logit_sample(q, k):
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        return best  # no products
+    # sampled: q and k contiguous first, their gathers would copy a strided view (a fused
+    # qkv); whole: a head at a time on views, no copy at all
+    pairs = logit_sample(q.contiguous(), k.contiguous()) if _sampled(q, k) else [(q, k)]
+    for qs, ks in pairs:
         best = torch.maximum(best, _products_max(qs, ks, heads, chunk_elements))
     return best * abs(scale)
 
 
 def _products_max(q: torch.Tensor, k: torch.Tensor, heads: int, chunk: int) -> torch.Tensor:
-    """max |q . k| of each head, ``chunk`` products at a time."""
-    group = q.shape[-3] // k.shape[-3] if min(q.ndim, k.ndim) >= 3 else 1
-    t_q, t_k = q.shape[-2], k.shape[-2]
-    rows_per_chunk = max(1, chunk // max(1, q[..., :1, :1].numel() * t_k))
+    """max |q . k| of each head, ``chunk`` products at a time: a head at a time where q holds
+    them along its third axis from the end (or is one head), else over q's leading axes
+    flattened, their index modulo ``heads`` being the head."""
+    if q.ndim < 3:
+        return _abs_max_product(q, k, chunk).reshape(1)
+    if q.shape[-3] == heads and k.ndim == q.ndim and heads % k.shape[-3] == 0:
+        group = heads // k.shape[-3]
+        return torch.stack(
+            [
+                _abs_max_product(q.select(-3, h), k.select(-3, h // group), chunk)
+                for h in range(heads)
+            ]
+        )
+    if k.ndim == q.ndim and k.shape[-3] != q.shape[-3]:  # grouped: consecutive query slices
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     best = torch.zeros(heads, device=q.device)
     kt = k.transpose(-1, -2)
-    for start in range(0, t_q, rows_per_chunk):
-        block = q[..., start : start + rows_per_chunk, :]
-        if group > 1:  # (..., k_heads * group, rows, d) as (..., k_heads, group * rows, d)
-            shape = block.shape
-            block = block.reshape(*shape[:-3], k.shape[-3], -1, shape[-1])
-            s = (block @ kt).view(*shape[:-1], t_k)
-        else:
-            s = block @ kt  # unscaled: max |s c| = |c| max |s|
-        best = torch.maximum(best, head_abs_max(s, heads))
+    for block in q.split(_rows_per_chunk(q, k, chunk), dim=-2):
+        best = torch.maximum(best, head_abs_max(block @ kt, heads))  # unscaled: |s c| = |c| |s|
     return best
+
+
+def _abs_max_product(q: torch.Tensor, k: torch.Tensor, chunk: int) -> torch.Tensor:
+    """max |q . k| over every query and key of one head (any leading axes alike)."""
+    kt = k.transpose(-1, -2)
+    maxima = []
+    for block in q.split(_rows_per_chunk(q, k, chunk), dim=-2):
+        low, high = torch.aminmax(block @ kt)
+        maxima.append(torch.maximum(high, -low))
+    return maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()
+
+
+def _rows_per_chunk(q: torch.Tensor, k: torch.Tensor, chunk: int) -> int:
+    """Query rows whose products with every key hold about ``chunk`` entries (at least one)."""
+    return max(1, chunk // max(1, q[..., :1, :1].numel() * k.shape[-2]))
 
 
 def mha_qk(

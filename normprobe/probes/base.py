@@ -34,14 +34,37 @@ def square_sum(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     x = plain(x)
     if not large_on_cpu(x):
         return torch.linalg.vector_norm(x, dtype=dtype).square()
-    if not x.is_contiguous():  # a view: by its last axis, without a copy
-        return torch.linalg.vector_norm(x, dim=-1, dtype=dtype).square().sum()
+    return square_sums([x], dtype)[0]
+
+
+def square_sums(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """`square_sum` of each of several large CPU tensors, as one vector in ``dtype``: one call
+    per tensor for the norms of its rows, the rows' squares of all of them summed at once, in
+    float64 (a few thousand rows a tensor, where a float32 running sum would drift again)."""
+    rows = [_row_norms(plain(x), dtype) for x in tensors]
+    counts = torch.tensor([len(r) for r in rows])
+    owners = torch.repeat_interleave(torch.arange(len(rows)), counts)
+    return group_sums(torch.cat(rows).double().square_(), owners, len(rows)).to(dtype)
+
+
+def _row_norms(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Norms of ``x``'s rows of `ROW` entries (a contiguous tensor; the rest of its entries as
+    one more row), or of its last axis (a view, read without a copy)."""
+    if not x.is_contiguous():
+        return torch.linalg.vector_norm(x, dim=-1, dtype=dtype).reshape(-1)
+    numel = x.numel()
+    head = numel - numel % ROW
+    if head == numel:
+        return torch.linalg.vector_norm(x.view(-1, ROW), dim=1, dtype=dtype)
     flat = x.view(-1)
-    head = flat.numel() - flat.numel() % ROW
-    total = torch.linalg.vector_norm(flat[:head].view(-1, ROW), dim=1, dtype=dtype).square().sum()
-    if head < flat.numel():
-        total = total + torch.linalg.vector_norm(flat[head:], dtype=dtype).square()
-    return total
+    rows = torch.linalg.vector_norm(flat[:head].view(-1, ROW), dim=1, dtype=dtype)
+    tail = torch.linalg.vector_norm(flat[head:], dtype=dtype).reshape(1)
+    return torch.cat([rows, tail])
+
+
+def group_sums(values: torch.Tensor, index: torch.Tensor, groups: int) -> torch.Tensor:
+    """``out[g]``: the sum of the ``values[i]`` with ``index[i] == g``, for ``g < groups``."""
+    return values.new_zeros(groups).index_add_(0, index, values)
 
 
 def stack_scalars(values: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import large_on_cpu, square_sum
+from .base import large_on_cpu, square_sums
 from .shards import dtensor_type, local, shard_share
 
 
@@ -28,10 +28,16 @@ def squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         shares = [shard_share(t) for t in tensors]
         tensors = [local(t) for t in tensors]
     wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    # a CPU's running sum loses precision on large tensors: those row by row (`square_sum`)
-    large = set() if shares is not None else {i for i, t in enumerate(tensors) if large_on_cpu(t)}
-    rest = [i for i in range(len(tensors)) if i not in large]
-    found: dict[int, torch.Tensor] = {i: square_sum(tensors[i], wide) for i in large}
+    # a CPU's running sum loses precision on large tensors: those row by row (`square_sums`)
+    is_large = [shares is None and large_on_cpu(t) for t in tensors]
+    large = [i for i, flag in enumerate(is_large) if flag]
+    rest = [i for i, flag in enumerate(is_large) if not flag]
+    found: dict[int, torch.Tensor] = {}
+    if large:
+        squares = square_sums([tensors[i] for i in large], wide)
+        if not rest:
+            return squares
+        found = dict(zip(large, squares.unbind(0), strict=True))
     if rest:
         norms = torch._foreach_norm([tensors[i] for i in rest], 2, dtype=wide)
         if shares is not None and any(share != 1.0 for share in shares):
@@ -314,11 +320,6 @@ def _runs(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> to
     if not t.permute(by_stride).is_contiguous():
         t = t.contiguous()
     return t.as_strided(size, stride, t.storage_offset())
-
-
-def group_sums(values: torch.Tensor, index: torch.Tensor, groups: int) -> torch.Tensor:
-    """``out[g]``: the sum of the ``values[i]`` with ``index[i] == g``, for ``g < groups``."""
-    return values.new_zeros(groups).index_add_(0, index, values)
 
 
 def strided_views(tensors: Sequence[torch.Tensor], strides: Sequence[int]) -> list[torch.Tensor]:

@@ -95,10 +95,13 @@ class InPlaceNet(nn.Module):
         return out
 
 
+# streams of 128 entries, held to be reduced together, and of 73,728 (past `SMALL`), each
+# reduced as it is read and kept, for the next block's cosine, as a copy
+@pytest.mark.parametrize("rows", [8, 4608])
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_stream_cosines_hold_under_in_place_residual_adds(mode: Any) -> None:
+def test_stream_cosines_hold_under_in_place_residual_adds(mode: Any, rows: int) -> None:
     torch.manual_seed(0)
-    model, x = InPlaceNet(), torch.randn(8, 16)
+    model, x = InPlaceNet(), torch.randn(rows, 16)
     with torch.no_grad():  # by hand: a copy of every block's stream
         streams = [model.inp(x)]
         for block in model.blocks:

@@ -46,6 +46,19 @@ def test_mean_cosine() -> None:
     assert probes.cosines_from_rows(*rows).tolist() == pytest.approx(want)
 
 
+def test_row_dots_are_the_dot_product_at_each_position_in_every_layout() -> None:
+    torch.manual_seed(0)
+    tokens = torch.randn(2, 5, 6), torch.randn(2, 5, 6)  # features last
+    views = tokens[0].transpose(0, 1), tokens[1].transpose(0, 1)  # not contiguous
+    images = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)  # channels: dim 1
+    low = tokens[0].bfloat16(), tokens[1].bfloat16()
+    for (a, b), dim in ((tokens, -1), (views, -1), (images, 1), (low, -1)):
+        want = (a.double() * b.double()).sum(dim).reshape(-1)
+        got = probes.row_dots(a, b)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
 def test_row_norms_add_up_to_the_rms() -> None:
     x = torch.randn(4, 5, 6, dtype=torch.bfloat16)
     norms = probes.row_norms(x)
@@ -167,8 +180,18 @@ def test_sdpa_logit_max_per_head_matches_materialized_logits() -> None:
     expanded = k2.repeat_interleave(2, dim=1)
     want = (q @ expanded.transpose(-1, -2) / math.sqrt(8)).abs().amax(dim=(0, 2, 3))
     torch.testing.assert_close(probes.sdpa_logit_max(q, k2), want)
+    flat = probes.sdpa_logit_max(q.reshape(8, 10, 8), k2.reshape(4, 10, 8), heads=4)
+    torch.testing.assert_close(flat, want)  # the same, heads flattened with the batch
     # 2-D queries: one head
     assert probes.sdpa_logit_max(q[0, 0], k[0, 0]).shape == (1,)
+    # heads flattened with the batch, (batch * heads, queries, dim): the index modulo heads
+    flat = probes.sdpa_logit_max(q.reshape(8, 10, 8), k.reshape(8, 10, 8), heads=4)
+    torch.testing.assert_close(flat, full.abs().amax(dim=(0, 2, 3)), rtol=1e-6, atol=0)
+    # strided views of one fused qkv tensor, as a model's attention passes them
+    qkv = torch.randn(2, 10, 3, 4, 8).permute(2, 0, 3, 1, 4)
+    want = (qkv[0] @ qkv[1].transpose(-1, -2)).abs().amax(dim=(0, 2, 3)) / math.sqrt(8)
+    torch.testing.assert_close(probes.sdpa_logit_max(qkv[0], qkv[1]), want, rtol=1e-6, atol=0)
+    assert probes.sdpa_logit_max(q[:, :, :0], k).tolist() == [0.0] * 4  # no queries
 
 
 def test_head_abs_max_reads_heads_from_either_layout() -> None:
@@ -242,6 +265,23 @@ def test_sums_of_squares_of_large_cpu_tensors_are_exact_to_float32_rounding() ->
     assert probes.rms_many([big, big[:3]])[0].item() == pytest.approx(
         math.sqrt(exact / big.numel()), rel=1e-6
     )
+
+
+def test_large_cpu_tensors_reduced_together_are_each_exact() -> None:
+    # several large tensors' rows in one reduction: a whole number of rows, a remainder after
+    # them, a transposed view, float64, and the RMS of a batch of activations
+    torch.manual_seed(0)
+    sizes = [(256, 1024), (3, 70_001), (2048, 300)]
+    tensors = [torch.randn(*size) * 10.0**-k for k, size in enumerate(sizes)]
+    tensors.append(tensors[2].t())
+    exact = [t.double().pow(2).sum().item() for t in tensors]
+    got = probes.squared_norms([torch.randn(5), *tensors])[1:].tolist()
+    assert got == pytest.approx(exact, rel=1e-6)
+    wide = probes.squared_norms([t.double() for t in tensors])
+    assert wide.dtype == torch.float64
+    assert wide.tolist() == pytest.approx(exact, rel=1e-12)
+    want = [math.sqrt(e / t.numel()) for e, t in zip(exact, tensors, strict=True)]
+    assert probes.rms_many(tensors).tolist() == pytest.approx(want, rel=1e-6)
 
 
 def test_a_large_layer_gradient_norm_is_exact_on_a_cpu() -> None:

@@ -63,6 +63,8 @@ def test_stacked_reductions_equal_one_at_a_time() -> None:
         for k, t in enumerate(tensors):
             assert torch.allclose(norms[k], probes.row_norms(t))
             if k:
-                assert torch.allclose(dots[k - 1], probes.row_dots(tensors[k - 1], t))
+                # float32 rounding of sums of terms near 10: absolute, where a dot cancels
+                one = probes.row_dots(tensors[k - 1], t)
+                torch.testing.assert_close(dots[k - 1], one, rtol=1e-5, atol=1e-5)
             for many, one in zip(parts, probes.outlier_parts(t), strict=True):
                 assert torch.allclose(many[k], one)

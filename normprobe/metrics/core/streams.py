@@ -52,11 +52,12 @@ class Streams:
     A stream is held until ``size`` of its stack's are (then reduced in one batched call per
     statistic) or the forward ends, where it is small (`SMALL`, `_batchable`). Streams that the
     model changes in place after their read (``out += identity`` then ``relu_``) are reduced as
-    soon as they are read: the first logged forward reduces every stream at once and holds the
-    small ones to its end to learn which stacks' do; so are large streams, those of compiled
-    graphs (which run the model's in-place operations and cannot look at versions) and
-    inference tensors (which count none). A held stream found changed when it is reduced (the
-    model changed its ways) is dropped, and its stack learned.
+    soon as they are read: the first logged forward reduces every stream at once and holds
+    them to its end to learn which stacks' do; so are large streams, those of compiled graphs
+    (which run the model's in-place operations and cannot look at versions) and inference
+    tensors (which count none). A held stream found changed when it is reduced (the model
+    changed its ways) is dropped, and its stack learned. The stream kept for the next block's
+    cosine is a copy only in a stack whose streams change in place (or not yet learned).
     """
 
     def __init__(self, plan: Plan, size: int = 32) -> None:
@@ -160,9 +161,11 @@ class Streams:
         return learned and _batchable(t) and stack not in self._at_once
 
     def _kept(self, stack: str, t: torch.Tensor) -> torch.Tensor:
-        """What to keep of a reduced stream ``t`` for the next block's cosine: ``t`` itself, or
-        a copy where it may change in place before then."""
-        return t if self._deferred(stack, t) else t.clone()
+        """What to keep of a reduced stream ``t`` for the next block's cosine: ``t`` itself
+        where its stack's streams are known to stay as read (a change after all shows in its
+        version, and that cosine is dropped), else a copy."""
+        learned = self._learned and not self._compiled and stack not in self._at_once
+        return t if learned and _version(t) >= 0 else t.clone()
 
     def _reader(self, stack: str, block: int) -> Callable[[torch.Tensor], None]:
         reads = self.reads.setdefault(stack, [])
@@ -178,7 +181,7 @@ class Streams:
             held = self._held.setdefault(stack, [])
             held.append((here, t, version))
             if not self._deferred(stack, t):
-                learn = not self._learned and version >= 0 and _batchable(t)
+                learn = not self._learned and version >= 0
                 self._reduce(stack, learn=learn)
             elif len(held) >= self.size:
                 self._reduce(stack)
