@@ -141,7 +141,7 @@ def _products_max(q: torch.Tensor, k: torch.Tensor, heads: int, chunk: int) -> t
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     best = torch.zeros(heads, device=q.device)
     kt = k.transpose(-1, -2)
-    for block in q.split(_rows_per_chunk(q, k, chunk), dim=-2):
+    for block in torch.split(q, _rows_per_chunk(q, k, chunk), dim=-2):
         best = torch.maximum(best, head_abs_max(block @ kt, heads))  # unscaled: |s c| = |c| |s|
     return best
 
@@ -150,7 +150,7 @@ def _abs_max_product(q: torch.Tensor, k: torch.Tensor, chunk: int) -> torch.Tens
     """max |q . k| over every query and key of one head (any leading axes alike)."""
     kt = k.transpose(-1, -2)
     maxima = []
-    for block in q.split(_rows_per_chunk(q, k, chunk), dim=-2):
+    for block in torch.split(q, _rows_per_chunk(q, k, chunk), dim=-2):
         low, high = torch.aminmax(block @ kt)
         maxima.append(torch.maximum(high, -low))
     return maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()
