@@ -29,11 +29,11 @@ def rms(x: torch.Tensor) -> torch.Tensor:
 
 def rms_many(tensors: list[torch.Tensor]) -> torch.Tensor:
     """`rms` of each tensor, as one float32 vector, in one batched reduction."""
-    if any_dtensor(tensors) or any(t.dtype == torch.float64 for t in tensors):
+    large = any(large_on_cpu(t) for t in tensors)  # row by row, as `square_sum` reads them
+    mixed = large and any(t.device.type != "cpu" for t in tensors)
+    if any_dtensor(tensors) or any(t.dtype == torch.float64 for t in tensors) or mixed:
         return torch.stack([rms(t).float() for t in tensors])
-    if any(large_on_cpu(t) for t in tensors):  # row by row, as `square_sum` reads them
-        if any(t.device.type != "cpu" for t in tensors):
-            return torch.stack([rms(t).float() for t in tensors])
+    if large:
         sizes = torch.tensor([max(t.numel(), 1) for t in tensors], dtype=torch.float32)
         return squared_norms(tensors).float().div_(sizes).sqrt_()
     norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)

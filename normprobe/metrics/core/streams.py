@@ -153,19 +153,22 @@ class Streams:
         self._latest.clear()
         self._learned = True
 
+    def _stays_as_read(self, stack: str) -> bool:
+        """Whether ``stack``'s streams are known to stay as read (the model does not change
+        them in place later), which a compiled graph cannot tell."""
+        return self._learned and not self._compiled and stack not in self._at_once
+
     def _deferred(self, stack: str, t: torch.Tensor) -> bool:
         """Whether ``t``, a stream of ``stack``, may be held and reduced later: a small plain
         tensor (where a batched call saves a call's cost per stream, and stacking them costs
         little memory) that is known not to change in place."""
-        learned = self._learned and not self._compiled
-        return learned and _batchable(t) and stack not in self._at_once
+        return self._stays_as_read(stack) and _batchable(t)
 
     def _kept(self, stack: str, t: torch.Tensor) -> torch.Tensor:
         """What to keep of a reduced stream ``t`` for the next block's cosine: ``t`` itself
-        where its stack's streams are known to stay as read (a change after all shows in its
-        version, and that cosine is dropped), else a copy."""
-        learned = self._learned and not self._compiled and stack not in self._at_once
-        return t if learned and _version(t) >= 0 else t.clone()
+        where its stack's streams stay as read (a change after all shows in its version, and
+        that cosine is dropped), else a copy."""
+        return t if self._stays_as_read(stack) and _version(t) >= 0 else t.clone()
 
     def _reader(self, stack: str, block: int) -> Callable[[torch.Tensor], None]:
         reads = self.reads.setdefault(stack, [])
