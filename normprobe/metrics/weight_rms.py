@@ -14,9 +14,8 @@ class WeightRms(Family):
     description = (
         "RMS of each block's parameters before the optimizer step: weights growing without "
         "bound (too little weight decay) or shrinking towards zero show here first (exact up "
-        f"to {SAMPLE_MIN} entries per tensor; beyond, from the evenly strided sample of "
-        f"{SAMPLE_FRACTION:.1%} of the entries update_ratio keeps: within 0.8% of the exact RMS "
-        "on the models tried)"
+        f"to {SAMPLE_MIN} entries per tensor; beyond, from the sample of {SAMPLE_FRACTION:.0%} "
+        "of the entries update_ratio keeps: within 0.8% of the exact RMS on the models tried)"
     )
     requires = "no stacks of blocks"
     series = (Series("weight_rms", "block", "mean"),)

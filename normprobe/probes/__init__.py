@@ -42,6 +42,7 @@ from .outliers import (
     outlier_stats,
     outlier_stats_many,
 )
+from .samples import Copy, SampledCopy
 from .shards import is_sharded, local, local_part, shard_share
 from .squares import (
     CHUNK,
@@ -49,8 +50,6 @@ from .squares import (
     ByShape,
     SquareSums,
     squared_norms,
-    strided_samples,
-    strided_views,
 )
 
 __all__ = [
@@ -60,7 +59,9 @@ __all__ = [
     "SAMPLE_SHARE",
     "SMALL_NUMEL",
     "ByShape",
+    "Copy",
     "OutlierParts",
+    "SampledCopy",
     "SquareSums",
     "abs_max",
     "batchnorm_stats",
@@ -99,6 +100,4 @@ __all__ = [
     "sdpa_logit_max",
     "shard_share",
     "squared_norms",
-    "strided_samples",
-    "strided_views",
 ]

@@ -112,15 +112,15 @@ def sdpa_logit_max(
     if heads is None:
         heads = q.shape[-3] if q.ndim >= 3 else 1
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    best = torch.zeros(heads, device=q.device)
     if q.shape[-2] == 0 or k.shape[-2] == 0:
-        return best  # no products
+        return torch.zeros(heads, device=q.device)  # no products
     # sampled: q and k contiguous first, their gathers would copy a strided view (a fused
     # qkv); whole: a head at a time on views, no copy at all
-    pairs = logit_sample(q.contiguous(), k.contiguous()) if _sampled(q, k) else [(q, k)]
-    for qs, ks in pairs:
-        best = torch.maximum(best, _products_max(qs, ks, heads, chunk_elements))
-    return best * abs(scale)
+    if not _sampled(q, k):
+        return _products_max(q, k, heads, chunk_elements).mul_(abs(scale))
+    pairs = logit_sample(q.contiguous(), k.contiguous())
+    best = torch.stack([_products_max(qs, ks, heads, chunk_elements) for qs, ks in pairs])
+    return best.amax(dim=0).mul_(abs(scale))
 
 
 def _products_max(q: torch.Tensor, k: torch.Tensor, heads: int, chunk: int) -> torch.Tensor:
@@ -128,15 +128,11 @@ def _products_max(q: torch.Tensor, k: torch.Tensor, heads: int, chunk: int) -> t
     them along its third axis from the end (or is one head), else over q's leading axes
     flattened, their index modulo ``heads`` being the head."""
     if q.ndim < 3:
-        return _abs_max_product(q, k, chunk).reshape(1)
+        return _abs_max_products([(q, k)], chunk)
     if q.shape[-3] == heads and k.ndim == q.ndim and heads % k.shape[-3] == 0:
         group = heads // k.shape[-3]
-        return torch.stack(
-            [
-                _abs_max_product(q.select(-3, h), k.select(-3, h // group), chunk)
-                for h in range(heads)
-            ]
-        )
+        pairs = [(q.select(-3, h), k.select(-3, h // group)) for h in range(heads)]
+        return _abs_max_products(pairs, chunk)
     if k.ndim == q.ndim and k.shape[-3] != q.shape[-3]:  # grouped: consecutive query slices
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     best = torch.zeros(heads, device=q.device)
@@ -146,19 +142,27 @@ def _products_max(q: torch.Tensor, k: torch.Tensor, heads: int, chunk: int) -> t
     return best
 
 
-def _abs_max_product(q: torch.Tensor, k: torch.Tensor, chunk: int) -> torch.Tensor:
-    """max |q . k| over every query and key of one head (any leading axes alike)."""
-    kt = k.transpose(-1, -2)
-    maxima = []
-    for block in torch.split(q, _rows_per_chunk(q, k, chunk), dim=-2):
-        low, high = torch.aminmax(block @ kt)
-        maxima.append(torch.maximum(high, -low))
-    return maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()
+def _abs_max_products(pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk: int) -> torch.Tensor:
+    """max |q . k| over every query and key of each (q, k) pair (one head each, any leading
+    axes alike): a vector of one value per pair."""
+    lows, highs, counts = [], [], []
+    for q, k in pairs:
+        kt = k.transpose(-1, -2)
+        blocks = torch.split(q, _rows_per_chunk(q, k, chunk), dim=-2)
+        counts.append(len(blocks))
+        for block in blocks:
+            low, high = torch.aminmax(block @ kt)
+            lows.append(low)
+            highs.append(high)
+    per_block = torch.maximum(torch.stack(highs), torch.stack(lows).neg_())
+    if len(per_block) == len(pairs):
+        return per_block
+    return torch.stack([part.amax() for part in torch.split(per_block, counts)])
 
 
 def _rows_per_chunk(q: torch.Tensor, k: torch.Tensor, chunk: int) -> int:
     """Query rows whose products with every key hold about ``chunk`` entries (at least one)."""
-    return max(1, chunk // max(1, q[..., :1, :1].numel() * k.shape[-2]))
+    return max(1, chunk // max(1, math.prod(q.shape[:-2]) * k.shape[-2]))
 
 
 def mha_qk(

@@ -115,17 +115,15 @@ class ByShape:
         return out
 
     @torch.no_grad()
-    def copies(self, tensors: Sequence[torch.Tensor], strides: Sequence[int]) -> list[torch.Tensor]:
+    def copies(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """What `change_squares` compares against once ``tensors`` changed: a stacked copy of
-        each group (whose strides must be 1), then `strided_samples` of the others."""
+        each group, then a copy of each other tensor (a DTensor's local shard)."""
         groups = [torch.stack([tensors[i] for i in group]) for group in self.groups]
-        alone = [tensors[i] for i in self.alone]
-        return groups + strided_samples(alone, [strides[i] for i in self.alone])
+        return groups + [local(tensors[i]).detach().clone() for i in self.alone]
 
     @torch.no_grad()
     def copy_squares(self, copies: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Per tensor, in float32, the sum of squares of what `copies` holds of it (of the
-        strided sample, for a tensor alone with a stride above 1)."""
+        """Per tensor, in float32, the sum of squares of its copy in `copies`."""
         device = copies[0].device
         squares = torch.zeros(self.count, device=device)
         positions = self._positions_on(device)
@@ -138,13 +136,9 @@ class ByShape:
 
     @torch.no_grad()
     def change_squares(
-        self,
-        tensors: Sequence[torch.Tensor],
-        strides: Sequence[int],
-        copies: Sequence[torch.Tensor],
+        self, tensors: Sequence[torch.Tensor], copies: Sequence[torch.Tensor]
     ) -> torch.Tensor:
-        """Per tensor, in float32, the sum of squares of its change since `copies` was taken
-        (of the strided sample, for a tensor alone with a stride above 1)."""
+        """Per tensor, in float32, the sum of squares of its change since `copies` was taken."""
         device = copies[0].device
         change = torch.zeros(self.count, device=device)
         positions = self._positions_on(device)
@@ -152,11 +146,8 @@ class ByShape:
             now = torch.stack([tensors[i] for i in group])
             change.index_copy_(0, where, _row_squares(now.sub_(before)).to(device))
         if self.alone:
-            before_alone = list(copies[len(self.groups) :])
-            views = strided_views(
-                [tensors[i] for i in self.alone], [strides[i] for i in self.alone]
-            )
-            moved = squared_norms(torch._foreach_sub(views, before_alone))
+            now_alone = [local(tensors[i]).detach() for i in self.alone]
+            moved = squared_norms(torch._foreach_sub(now_alone, list(copies[len(self.groups) :])))
             change.index_copy_(0, positions[-1], moved.to(device, torch.float32))
         return change
 
@@ -221,7 +212,7 @@ class SquareSums:
         runs = []
         for i, t in enumerate(tensors):
             if plain[i] and sample is not None and t.numel() > sample and not (whole and whole[i]):
-                period = CHUNK * _run_period(t.numel(), t.numel() // len(t), sample)
+                period = run_period(t.numel(), t.numel() // len(t), sample)
                 runs.append((i, (1 + (t.numel() - CHUNK) // period, CHUNK), (period, 1)))
         sampled = {i for i, _, _ in runs}
         joined = [
@@ -303,13 +294,15 @@ class SquareSums:
         return self._zeros[numel]
 
 
-def _run_period(numel: int, row: int, sample: int) -> int:
-    """``q`` for `SquareSums`: at least numel / ``sample`` (at most ``sample`` entries read)
-    and prime to ``row``."""
+def run_period(numel: int, row: int, sample: int) -> int:
+    """The entries from one run of `CHUNK` to the next in a sample of at most ``sample``
+    entries of a tensor of ``numel`` entries in rows of ``row``: ``CHUNK * q``, ``q`` at least
+    numel / ``sample`` and prime to ``row``, so that the runs walk through all columns rather
+    than repeat a few."""
     q = max(2, math.ceil(numel / sample))
     while math.gcd(q, row) != 1:
         q += 1
-    return q
+    return CHUNK * q
 
 
 def _runs(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
@@ -320,14 +313,3 @@ def _runs(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> to
     if not t.permute(by_stride).is_contiguous():
         t = t.contiguous()
     return t.as_strided(size, stride, t.storage_offset())
-
-
-def strided_views(tensors: Sequence[torch.Tensor], strides: Sequence[int]) -> list[torch.Tensor]:
-    """Every ``stride``-th entry of each tensor (flattened), as views (no copy)."""
-    shards = [local(t).detach() for t in tensors]  # a DTensor's (FSDP2) local shard
-    return [t if s == 1 else t.reshape(-1)[::s] for t, s in zip(shards, strides, strict=True)]
-
-
-def strided_samples(tensors: Sequence[torch.Tensor], strides: Sequence[int]) -> list[torch.Tensor]:
-    """Copies of `strided_views`: what `ByShape.change_squares` compares against."""
-    return [view.clone() for view in strided_views(tensors, strides)]

@@ -136,8 +136,7 @@ class AttentionLogits(TorchFunctionMode):
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor):
             return out
-        operands = [t for _, t in iter_tensors(args) if not isinstance(t, nn.Parameter)]
-        if name in MATMUL_OPS and len(operands) >= 2:
+        if name in MATMUL_OPS and _operands(args) >= 2:
             self.logits[id(out)] = (weakref.ref(out), None, 1.0)
         elif found is not None and _carries(name, found[0], out, args):
             if best is not None and name in LOGIT_SCALE_OPS:
@@ -169,6 +168,11 @@ class AttentionLogits(TorchFunctionMode):
             if entry is not None and entry[0]() is t:
                 return t, entry[1], entry[2]
         return None
+
+
+def _operands(args: Sequence[Any]) -> int:
+    """How many tensors other than parameters ``args`` holds."""
+    return sum(not isinstance(t, nn.Parameter) for _, t in iter_tensors(args))
 
 
 def _meets(name: str, args: Sequence[Any], kwargs: dict[str, Any], logits: torch.Tensor) -> bool:

@@ -132,28 +132,45 @@ def test_by_shape_float64_widens_and_subclasses_stay_alone() -> None:
 
 
 def test_change_squares_exact_and_sampled() -> None:
-    # p (3, 4) -> (3, 4.5) and q (0, 0) -> (1, 0) are a group, copied whole; big alone, sampled
+    # p (3, 4) -> (3, 4.5) and q (0, 0) -> (1, 0) are a group, copied whole; big is sampled:
+    # 210 entries, a budget of 70: q = 3 (prime to the rows of 7), runs of 16 every 48 entries,
+    # 4 whole periods (192 entries), so entries 0-15, 48-63, 96-111 and 144-159 are read
     p, q = torch.tensor([3.0, 4.0]), torch.tensor([0.0, 0.0])
-    # a strided sample scaled by its stride estimates the whole tensor: every 3rd entry of
-    # a constant tensor, times 3, is exact
-    big = torch.full((30, 7), 2.0)
-    stride = probes.sample_stride(big.shape, budget=70)
-    assert stride == 3 and 7 % stride != 0
-    params, strides = [p, q, big], [1, 1, stride]
-    by_shape = probes.ByShape(params, groupable=[s == 1 for s in strides])
-    assert by_shape.groups == [[0, 1]] and by_shape.alone == [2]
-    before = by_shape.copies(params, strides)
-    assert before[0].shape == (2, 2) and before[1].numel() == 70
-    p[1], q[0] = 4.5, 1.0
-    big += 1.0
-    change = by_shape.change_squares(params, strides, before)
-    assert change.tolist() == pytest.approx([0.25, 1.0, 70 * 1.0])
-    assert by_shape.copy_squares(before).tolist() == pytest.approx([25.0, 0.0, 70 * 4.0])
-    # times the stride, the sample's sums are the whole tensor's: 210 entries
-    weighted = change * torch.tensor([1.0, 1.0, 3.0])
-    assert probes.group_sums(weighted, torch.tensor([0, 0, 1]), 2).tolist() == pytest.approx(
-        [1.25, 210.0]
+    big = torch.arange(210.0).reshape(30, 7)
+    sample = probes.SampledCopy([p, q, big], budgets=[70, 70, 70])
+    assert sample.sampled == [2] and sample.whole == [0, 1]
+    before = sample.copy([p, q, big])
+    read = torch.cat([torch.arange(16.0) + start for start in (0, 48, 96, 144)])
+    scale = 210 / 64  # numel / entries read
+    assert sample.copy_squares(before).tolist() == pytest.approx(
+        [25.0, 0.0, read.square().sum().item() * scale]
     )
+    p[1], q[0] = 4.5, 1.0
+    big += 2.0
+    assert sample.change_squares([p, q, big], before).tolist() == pytest.approx(
+        [0.25, 1.0, 64 * 4.0 * scale]  # every entry moved by 2: the whole tensor's 210 * 4
+    )
+
+
+def test_sampled_copy_reads_views_memory_order_and_low_precision() -> None:
+    """A transposed view is read in its own order from a copy, a bfloat16 tensor's change in
+    float32, and a tensor whose size is not a whole number of periods stays inside itself."""
+    torch.manual_seed(0)
+    wide = torch.randn(40, 50)
+    view = wide.t()  # not contiguous
+    low = (torch.randint(-64, 64, (1000,)) / 4).bfloat16()  # quarters up to 16: exact
+    odd = torch.randn(1001)
+    tensors = [view, low, odd]
+    sample = probes.SampledCopy(tensors, budgets=[200, 200, 200])
+    before = sample.copy(tensors)
+    estimate = sample.copy_squares(before)
+    exact = torch.stack([t.float().square().sum() for t in tensors])
+    # runs of 16 of a random tensor: within a few standard errors of the whole one's sum
+    torch.testing.assert_close(estimate, exact, rtol=0.25, atol=0)
+    low.add_(0.5)  # still exact: each entry moves by 0.5
+    change = sample.change_squares(tensors, before)
+    assert change[0].item() == 0.0 and change[2].item() == 0.0
+    assert change[1].item() == pytest.approx(1000 * 0.25, rel=1e-6)
 
 
 def test_logit_stats() -> None:

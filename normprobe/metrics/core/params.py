@@ -14,12 +14,12 @@ from ... import probes
 from .base import Holdings, Out, Plan, Slot, Values
 
 # The weights before the step are kept whole up to SAMPLE_MIN entries per tensor; of larger
-# ones an evenly strided SAMPLE_FRACTION of the entries (`probes.sample_stride`), whose sum of
-# squares times the stride estimates the whole tensor's. On the benchmarks' MLPStack, the
-# GPT-2-style TinyTransformer (at init and after 30 AdamW steps) and Hugging Face GPT-2 and
-# Llama at init, a block's weight RMS so estimated is within 0.8% of the exact one.
-SAMPLE_FRACTION = 0.005
-SAMPLE_MIN = 4096
+# ones a SAMPLE_FRACTION of the entries, in runs of consecutive entries evenly spread
+# (`probes.SampledCopy`), whose sum of squares times numel / entries read estimates the whole
+# tensor's. On the benchmarks' MLPStack and the GPT-2-style TinyTransformer (at init and after
+# 30 AdamW steps), a block's weight RMS so estimated is within 0.8% of the exact one.
+SAMPLE_FRACTION = 0.01
+SAMPLE_MIN = 8192
 
 
 class OwnTensors:
@@ -92,16 +92,11 @@ class WeightSample:
 
     def __init__(self, params: BlockParams) -> None:
         self.params = params
-        weights = params.weights()
-        self.strides = [
-            probes.sample_stride(w.shape, max(SAMPLE_MIN, int(w.numel() * SAMPLE_FRACTION)))
-            for w in weights
-        ]
-        # the tensors copied whole, a group of each shape at a time
-        self._by_shape = probes.ByShape(weights, groupable=[s == 1 for s in self.strides])
-        self._before: list[torch.Tensor] = []
+        budgets = [max(SAMPLE_MIN, int(w.numel() * SAMPLE_FRACTION)) for w in params.weights()]
+        self._sample = probes.SampledCopy(params.weights(), budgets)
+        self._before: probes.Copy | None = None
         self._old: torch.Tensor | None = None
-        self._weights: dict[torch.device, torch.Tensor] = {}
+        self._shares: dict[torch.device, torch.Tensor] = {}
 
     @staticmethod
     def of(plan: Plan) -> WeightSample:
@@ -112,43 +107,38 @@ class WeightSample:
 
     def take(self) -> None:
         """Copy the sample, unless this step's copy is already taken."""
-        if not self._before:
-            self._before = self._by_shape.copies(self.params.weights(), self.strides)
+        if self._before is None:
+            self._before = self._sample.copy(self.params.weights())
             self._old = None
 
     def old_squares(self) -> torch.Tensor:
         """Per block, the estimated sum of squares of the weights copied (float32; made once
         per copy, for every family that asks)."""
+        assert self._before is not None, "taken before the optimizer step"
         if self._old is None:
-            self._old = self._per_block(self._by_shape.copy_squares(self._before))
+            self._old = self._per_block(self._sample.copy_squares(self._before))
         return self._old
 
     def change_squares(self) -> torch.Tensor | None:
         """Per block, the estimated sum of squares of the change since `take` (float32), or
         None when no copy was taken this step."""
-        if not self._before:
+        if self._before is None:
             return None
-        return self._per_block(
-            self._by_shape.change_squares(self.params.weights(), self.strides, self._before)
-        )
+        return self._per_block(self._sample.change_squares(self.params.weights(), self._before))
 
     def clear(self) -> None:
-        self._before = []
+        self._before = None
         self._old = None
 
     def _per_block(self, per_tensor: torch.Tensor) -> torch.Tensor:
-        """Each block's sum of its tensors' sample sums, each scaled by `_stride_weights`."""
+        """Each block's sum of its tensors' estimates, each weighted by its share of a sum over
+        ranks (`Holdings.shares`)."""
         device = per_tensor.device
-        weighted = per_tensor * self._stride_weights(device)
-        return probes.group_sums(weighted, self.params.index(device), self.params.count)
-
-    def _stride_weights(self, device: torch.device) -> torch.Tensor:
-        """Each tensor's stride, times its share of a sum over ranks (`Holdings.shares`)."""
-        if device not in self._weights:
+        if device not in self._shares:
             shares = self.params.shares()
-            weights = [s * share for s, share in zip(self.strides, shares, strict=True)]
-            self._weights[device] = torch.tensor(weights, dtype=torch.float32, device=device)
-        return self._weights[device]
+            self._shares[device] = torch.tensor(shares, dtype=torch.float32, device=device)
+        weighted = per_tensor * self._shares[device]
+        return probes.group_sums(weighted, self.params.index(device), self.params.count)
 
 
 def write_root_ratios(
