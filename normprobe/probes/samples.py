@@ -44,7 +44,7 @@ class SampledCopy:
         self.count = len(tensors)
         self.budgets = list(budgets)
         sizes = [local(t).numel() for t in tensors]
-        self.sampled = [i for i in range(self.count) if sizes[i] > self.budgets[i]]
+        self.sampled = [i for i in range(self.count) if sizes[i] > max(self.budgets[i], CHUNK)]
         taken = set(self.sampled)
         self.whole = [i for i in range(self.count) if i not in taken]
         self._by_shape = ByShape([tensors[i] for i in self.whole])
@@ -104,7 +104,8 @@ class SampledCopy:
         key = (numel, row, self.budgets[i])
         if key not in self._layouts:
             period = run_period(numel, row, self.budgets[i])
-            self._layouts[key] = (max(1, numel // period), period)
+            # a budget under a few runs: one run, at the start
+            self._layouts[key] = (numel // period, period) if numel >= period else (1, numel)
         return self._layouts[key]
 
     def _run_counts(

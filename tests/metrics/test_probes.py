@@ -173,6 +173,16 @@ def test_sampled_copy_reads_views_memory_order_and_low_precision() -> None:
     assert change[1].item() == pytest.approx(1000 * 0.25, rel=1e-6)
 
 
+def test_sampled_copy_under_a_budget_of_one_run_reads_the_first() -> None:
+    """21 entries, a budget of 5: a period of 48 does not fit, so one run of 16 is read from
+    the start and scaled by 21 / 16; 16 entries or fewer are read whole."""
+    t, short = torch.arange(21.0), torch.arange(16.0)
+    sample = probes.SampledCopy([t, short], budgets=[5, 4])
+    assert sample.sampled == [0]
+    squares = sample.copy_squares(sample.copy([t, short])).tolist()
+    assert squares == pytest.approx([torch.arange(16.0).square().sum().item() * 21 / 16, 1240.0])
+
+
 def test_logit_stats() -> None:
     logits = torch.tensor([[0.0, 0.0], [math.log(3.0), -2.0]])
     max_abs, rms, z = probes.logit_stats(logits).tolist()
