@@ -26,7 +26,7 @@ class UpdateRatio(Family):
         "||new - old|| / ||old|| of each block's parameters across the optimizer "
         f"step (exact up to {SAMPLE_MIN} entries per tensor; beyond, from a sample of "
         f"{SAMPLE_FRACTION:.0%} of the entries in runs of 16 evenly spread, so the copy it "
-        "needs stays small: within 2.5% of the exact ratio: up to 0.45% for the worst block "
+        "needs stays small: within 2.5% of the exact ratio: up to 0.55% for the worst block "
         "of a 12-block MLP and a GPT-2-style model at init, 1.2-2.2% after 30 AdamW steps, "
         "three seeds)"
     )
