@@ -64,10 +64,7 @@ class ByShape:
     parameters are 2 groups. Results come in the list's order.
     """
 
-    def __init__(
-        self, tensors: Sequence[torch.Tensor], groupable: Sequence[bool] | None = None
-    ) -> None:
-        """``groupable``: which tensors may join a group (all by default)."""
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.count = len(tensors)
         self.groups = _repeated_shapes(
             tensors,
@@ -76,7 +73,6 @@ class ByShape:
                 for i, t in enumerate(tensors)
                 if t.numel() <= SMALL_NUMEL
                 and type(t) in (torch.Tensor, torch.nn.Parameter)  # no DTensor, no subclass
-                and (groupable is None or groupable[i])
             ],
         )
         grouped = {i for group in self.groups for i in group}
