@@ -50,16 +50,17 @@ class Outliers(Family):
         }
         # per stack: the blocks reduced together, and their parts (one row per block)
         reads: dict[str, list[tuple[list[int], probes.OutlierParts]]] = {s: [] for s in slots}
+        scratch = streams.scratch
 
         def reduce(
             stack: str, blocks: list[int], streams: list[torch.Tensor], stacked: torch.Tensor | None
         ) -> None:
             if stacked is not None:
-                parts = probes.outlier_parts_many(stacked)
+                parts = probes.outlier_parts_many(stacked, scratch.like(stacked))
             else:
                 (stream,) = streams
-                one = probes.outlier_parts(stream)
-                parts = (one[0][None], one[1][None], one[2][None], one[3][None])
+                one = probes.outlier_parts(stream, scratch.like(stream))
+                parts = (one[0][None], one[1][None], one[2][None])
             reads[stack].append((blocks, parts))
 
         def clear() -> None:

@@ -33,7 +33,7 @@ from .attention import (
     mha_qk,
     sdpa_logit_max,
 )
-from .base import feature_dim, group_sums, plain, same_values, sample_stride
+from .base import feature_dim, group_sums, plain, same_values, sample_stride, wide_dtype
 from .outliers import (
     MEDIAN_SAMPLE,
     OutlierParts,
@@ -100,4 +100,5 @@ __all__ = [
     "sdpa_logit_max",
     "shard_share",
     "squared_norms",
+    "wide_dtype",
 ]

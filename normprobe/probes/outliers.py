@@ -16,58 +16,62 @@ from .base import feature_axis, feature_dim, plain, sample_stride, wide_dtype
 MEDIAN_SAMPLE = 512
 
 
-OutlierParts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+OutlierParts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def outlier_parts(x: torch.Tensor) -> OutlierParts:
+def outlier_parts(x: torch.Tensor, scratch: torch.Tensor | None = None) -> OutlierParts:
     """What `outlier_stats_many` needs of an activation with ``C`` channels along
-    `feature_dim`: each channel's max, min and sum of squares over all other positions (three
+    `feature_dim`: each channel's max |x| and sum of squares over all other positions (two
     ``C``-vectors), and a copy of an evenly strided sample of at most `MEDIAN_SAMPLE` entries,
     whose median nonzero |x| `outlier_stats_many` takes (for many activations in one call).
 
-    Reduced in float32 or wider; the max and min are exact in ``x``'s own dtype.
+    Reduced in float32 or wider; the max is exact. ``scratch``: memory of ``x``'s shape in that
+    type for |x| and its squares (else a temporary of that size is made).
     """
     x = plain(x)
     if x.ndim == 1:
         x = x.unsqueeze(0)  # one position
-    return _parts(x, feature_dim(x) % x.ndim, x.reshape(-1), sample_stride(x.shape, MEDIAN_SAMPLE))
+        scratch = None if scratch is None else scratch.unsqueeze(0)
+    stride = sample_stride(x.shape, MEDIAN_SAMPLE)
+    others = [d for d in range(x.ndim) if d != feature_dim(x) % x.ndim]
+    return _parts(x, False, others, stride, scratch)
 
 
-def outlier_parts_many(stacked: torch.Tensor) -> OutlierParts:
+def outlier_parts_many(stacked: torch.Tensor, scratch: torch.Tensor | None = None) -> OutlierParts:
     """`outlier_parts` of each activation stacked along ``stacked``'s first axis, in one call
     per part: each part has a first axis of one row per activation."""
     x = plain(stacked)
     if x.ndim == 2:
         x = x.unsqueeze(1)  # one position each
+        scratch = None if scratch is None else scratch.unsqueeze(1)
     one = x.shape[1:]
-    flat = x.reshape(len(x), -1)
-    return _parts(x, feature_axis(len(one)) + 1, flat, sample_stride(one, MEDIAN_SAMPLE))
+    channels = feature_axis(len(one)) + 1
+    others = [d for d in range(1, x.ndim) if d != channels]
+    return _parts(x, True, others, sample_stride(one, MEDIAN_SAMPLE), scratch)
 
 
-def _parts(x: torch.Tensor, dim: int, flat: torch.Tensor, stride: int) -> OutlierParts:
-    """`outlier_parts` of ``x`` (one activation, or several stacked with ``flat`` of one row
-    each) with channels along ``dim``, sampled every ``stride``-th entry."""
-    wide = wide_dtype(x)
+def _parts(
+    x: torch.Tensor, stacked: bool, others: list[int], stride: int, scratch: torch.Tensor | None
+) -> OutlierParts:
+    """`outlier_parts` of ``x`` (one activation, or several ``stacked`` along its first axis),
+    reduced over the axes ``others``, sampled every ``stride``-th entry of each activation."""
+    flat = x.reshape(len(x), -1) if stacked else x.reshape(-1)
     # a copy: x may change in place later
-    sample = (flat if stride == 1 else flat[..., ::stride]).to(wide, copy=True)
-    if x.dtype != wide:
-        x = x.to(wide)
-    stacked = flat.ndim == 2
-    if dim == x.ndim - 1:  # channels last: one row per position
-        rows = x.reshape(len(x), -1, x.shape[-1]) if stacked else x.reshape(-1, x.shape[-1])
-        axis = int(stacked)  # (amax and amin: torch.aminmax reduces along an axis far slower)
-        return (
-            rows.amax(dim=axis),
-            rows.amin(dim=axis),
-            torch.linalg.vecdot(rows, rows, dim=axis),
-            sample,
-        )
-    others = [d for d in range(int(stacked), x.ndim) if d != dim]
-    return x.amax(dim=others), x.amin(dim=others), x.square().sum(dim=others), sample
+    sample = (flat if stride == 1 else flat[..., ::stride]).to(wide_dtype(x), copy=True)
+    # |x| exact in the wide type, then squared in place: one temporary (or none), where max and
+    # min, then the products vecdot forms, would read x three times and make a fresh one
+    if scratch is None:
+        magnitude = x.abs().to(wide_dtype(x))
+    elif scratch.dtype == x.dtype:
+        magnitude = torch.abs(x, out=scratch)
+    else:
+        magnitude = scratch.copy_(x).abs_()
+    top = magnitude.amax(dim=others)
+    return top, magnitude.mul_(magnitude).sum(dim=others), sample
 
 
 def outlier_stats_many(
-    highest: torch.Tensor, lowest: torch.Tensor, power: torch.Tensor, sample: torch.Tensor
+    top: torch.Tensor, power: torch.Tensor, sample: torch.Tensor
 ) -> torch.Tensor:
     """(max |x| / median nonzero |x|, the channel holding that max, the kurtosis of the
     channels' RMS) from `outlier_parts`, as float32: three values, or ``(n, 3)`` for the parts
@@ -80,7 +84,7 @@ def outlier_stats_many(
     other positions, the kurtosis mean(s^4) / mean(s^2)^2 is 1 when every channel has the same
     RMS and the number of channels when one holds everything.
     """
-    top, channel = torch.maximum(highest, -lowest).max(dim=-1)
+    top, channel = top.max(dim=-1)
     magnitude = sample.abs()
     median = magnitude.masked_fill_(magnitude == 0, math.nan).nanmedian(dim=-1).values
     # the sums of squares scaled by the largest, so that their squares cannot overflow float32

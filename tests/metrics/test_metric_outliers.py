@@ -147,9 +147,9 @@ def test_not_chosen_costs_no_reduction(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[torch.Tensor] = []
     parts = probes.outlier_parts
 
-    def counted(t: torch.Tensor) -> torch.Tensor:
+    def counted(t: torch.Tensor, scratch: torch.Tensor | None = None) -> probes.OutlierParts:
         calls.append(t)
-        return parts(t)
+        return parts(t, scratch)
 
     monkeypatch.setattr(probes, "outlier_parts", counted)
     model = ResidualStack(depth=2, width=8)

@@ -5,12 +5,15 @@ forward's, for the stream RMS, the cosines (across chunks too) and the outlier s
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import normprobe
 from normprobe import probes, tags
+from normprobe.metrics.core.scratch import SCRATCH_MIN, Scratch
 from normprobe.models import ResidualStack
 
 
@@ -68,3 +71,41 @@ def test_stacked_reductions_equal_one_at_a_time() -> None:
                 torch.testing.assert_close(dots[k - 1], one, rtol=1e-5, atol=1e-5)
             for many, one in zip(parts, probes.outlier_parts(t), strict=True):
                 assert torch.allclose(many[k], one)
+        scratch = torch.full(stacked.shape, math.nan)
+        for with_scratch, without in zip(
+            probes.outlier_parts_many(stacked, scratch), parts, strict=True
+        ):
+            assert torch.equal(with_scratch, without)
+
+
+def test_outlier_parts_by_hand_with_and_without_scratch() -> None:
+    # 3 positions, 2 channels: channel 0 holds -4 (its max |x|), channel 1 holds 3, 0, 1
+    x = torch.tensor([[1.0, 3.0], [-4.0, 0.0], [2.0, -1.0]])
+    low = x.bfloat16()
+    for t, scratch in ((x, None), (x, torch.empty(3, 2)), (low, None), (low, torch.empty(3, 2))):
+        top, power, sample = probes.outlier_parts(t, scratch)
+        assert top.tolist() == [4.0, 3.0] and power.tolist() == [21.0, 10.0]
+        assert top.dtype == power.dtype == sample.dtype == torch.float32
+        # every entry sampled: 4 over the median of the nonzero |x| (1, 1, 2, 3, 4), which is
+        # 2; the kurtosis of s^2 in proportion 21 : 10 is (21^2 + 10^2) / 2 / ((21 + 10) / 2)^2
+        ratio, channel, kurtosis = probes.outlier_stats_many(top, power, sample).tolist()
+        assert (ratio, channel) == (2.0, 0.0)
+        assert kurtosis == pytest.approx((21**2 + 10**2) / 2 / (31 / 2) ** 2)
+    assert torch.equal(x, torch.tensor([[1.0, 3.0], [-4.0, 0.0], [2.0, -1.0]]))  # untouched
+
+
+def test_scratch_is_reused_within_a_forward_and_released() -> None:
+    scratch = Scratch()
+    stream = torch.randn(4, 128, 256)  # 131,072 entries: past SCRATCH_MIN
+    first = scratch.like(stream)
+    assert first is not None and first.shape == stream.shape and first.dtype == torch.float32
+    smaller = scratch.like(stream[:2])
+    assert smaller is not None and smaller.data_ptr() == first.data_ptr()  # the same memory
+    low = scratch.like(stream.bfloat16())
+    assert low is not None and low.dtype == torch.float32  # reduced in float32
+    wide = scratch.like(stream.double())
+    assert wide is not None and wide.dtype == torch.float64
+    assert scratch.like(torch.randn(SCRATCH_MIN - 1)) is None  # small: the allocator keeps it
+    assert Scratch(enabled=False).like(stream) is None  # a compiled graph
+    scratch.release()
+    assert scratch.like(stream) is not None

@@ -13,6 +13,7 @@ import torch
 from ... import probes
 from ...discovery import ModelMap, ResidualAdd
 from .base import Plan
+from .scratch import Scratch
 
 
 @dataclass
@@ -58,6 +59,8 @@ class Streams:
     tensors (which count none). A held stream found changed when it is reduced (the model
     changed its ways) is dropped, and its stack learned. The stream kept for the next block's
     cosine is a copy only in a stack whose streams change in place (or not yet learned).
+    Reducers may put a stream's temporaries in ``scratch`` (`Scratch`), released at the end of
+    each forward.
     """
 
     def __init__(self, plan: Plan, size: int = 32) -> None:
@@ -75,6 +78,7 @@ class Streams:
         self._learning: list[tuple[str, torch.Tensor, int]] = []
         self._compiled = plan.compiled
         self._learned = plan.compiled
+        self.scratch = Scratch(enabled=not plan.compiled)  # for the reducers
         # a pipeline stage that hands its output on: per stack, whether every forward's output
         # was the stream its last block left (the next stage's first cosine needs it)
         self.hands_on: dict[str, bool] = {}
@@ -142,6 +146,7 @@ class Streams:
         self._last.clear()
         self._latest.clear()
         self._learning.clear()
+        self.scratch.release()
 
     def _end(self) -> None:
         for stack in list(self._held):
@@ -151,6 +156,7 @@ class Streams:
         self._learning.clear()
         self._last.clear()
         self._latest.clear()
+        self.scratch.release()
         self._learned = True
 
     def _stays_as_read(self, stack: str) -> bool:
