@@ -22,8 +22,9 @@ OutlierParts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def outlier_parts(x: torch.Tensor, scratch: torch.Tensor | None = None) -> OutlierParts:
     """What `outlier_stats_many` needs of an activation with ``C`` channels along
     `feature_dim`: each channel's max |x| and sum of squares over all other positions (two
-    ``C``-vectors), and a copy of an evenly strided sample of at most `MEDIAN_SAMPLE` entries,
-    whose median nonzero |x| `outlier_stats_many` takes (for many activations in one call).
+    ``C``-vectors), and a copy of an evenly strided sample of at most `MEDIAN_SAMPLE` entries
+    of |x|, whose median nonzero value `outlier_stats_many` takes (for many activations in one
+    call).
 
     Reduced in float32 or wider; the max is exact. ``scratch``: memory of ``x``'s shape in that
     type for |x| and its squares (else a temporary of that size is made).
@@ -55,9 +56,6 @@ def _parts(
 ) -> OutlierParts:
     """`outlier_parts` of ``x`` (one activation, or several ``stacked`` along its first axis),
     reduced over the axes ``others``, sampled every ``stride``-th entry of each activation."""
-    flat = x.reshape(len(x), -1) if stacked else x.reshape(-1)
-    # a copy: x may change in place later
-    sample = (flat if stride == 1 else flat[..., ::stride]).to(wide_dtype(x), copy=True)
     # |x| exact in the wide type, then squared in place: one temporary (or none), where max and
     # min, then the products vecdot forms, would read x three times and make a fresh one
     if scratch is None:
@@ -66,6 +64,9 @@ def _parts(
         magnitude = torch.abs(x, out=scratch)
     else:
         magnitude = scratch.copy_(x).abs_()
+    flat = magnitude.reshape(len(x), -1) if stacked else magnitude.reshape(-1)
+    # a copy, taken from |x| while it is in the cache: x may change in place later
+    sample = (flat if stride == 1 else flat[..., ::stride]).clone()
     top = magnitude.amax(dim=others)
     return top, magnitude.mul_(magnitude).sum(dim=others), sample
 

@@ -82,7 +82,9 @@ def test_outlier_parts_by_hand_with_and_without_scratch() -> None:
     # 3 positions, 2 channels: channel 0 holds -4 (its max |x|), channel 1 holds 3, 0, 1
     x = torch.tensor([[1.0, 3.0], [-4.0, 0.0], [2.0, -1.0]])
     low = x.bfloat16()
-    for t, scratch in ((x, None), (x, torch.empty(3, 2)), (low, None), (low, torch.empty(3, 2))):
+    view = x.t().contiguous().t()  # the same values, not contiguous
+    cases = [(t, s) for t in (x, low, view) for s in (None, torch.full((3, 2), math.nan))]
+    for t, scratch in cases:
         top, power, sample = probes.outlier_parts(t, scratch)
         assert top.tolist() == [4.0, 3.0] and power.tolist() == [21.0, 10.0]
         assert top.dtype == power.dtype == sample.dtype == torch.float32
