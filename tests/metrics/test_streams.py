@@ -109,5 +109,6 @@ def test_scratch_is_reused_within_a_forward_and_released() -> None:
     assert wide is not None and wide.dtype == torch.float64
     assert scratch.like(torch.randn(SCRATCH_MIN - 1)) is None  # small: the allocator keeps it
     assert Scratch(enabled=False).like(stream) is None  # a compiled graph
-    scratch.release()
-    assert scratch.like(stream) is not None
+    scratch.release()  # `first` still holds the old memory: a new buffer must be made
+    again = scratch.like(stream)
+    assert again is not None and again.data_ptr() != first.data_ptr()

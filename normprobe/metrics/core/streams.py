@@ -146,7 +146,6 @@ class Streams:
         self._last.clear()
         self._latest.clear()
         self._learning.clear()
-        self.scratch.release()
 
     def _end(self) -> None:
         for stack in list(self._held):
