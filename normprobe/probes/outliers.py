@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .base import feature_axis, feature_dim, plain, sample_stride, wide_dtype
@@ -86,13 +87,28 @@ def outlier_stats_many(
     RMS and the number of channels when one holds everything.
     """
     top, channel = top.max(dim=-1)
-    magnitude = sample.abs()
-    median = magnitude.masked_fill_(magnitude == 0, math.nan).nanmedian(dim=-1).values
+    median = _nonzero_median(sample)
     # the sums of squares scaled by the largest, so that their squares cannot overflow float32
     power = power / power.amax(dim=-1, keepdim=True)
     kurtosis = power.pow(2).mean(dim=-1) / power.mean(dim=-1).pow(2)
     stats = [top / median, channel.to(top.dtype), kurtosis]
     return torch.stack(stats, dim=-1).float()
+
+
+def _nonzero_median(magnitude: torch.Tensor) -> torch.Tensor:
+    """The median of each row's nonzero entries of ``magnitude`` (|x|, NaNs left out; the lower
+    middle of an even count; NaN where none is left)."""
+    if magnitude.device.type != "cpu" or magnitude.dtype not in (torch.float32, torch.float64):
+        return magnitude.masked_fill(magnitude == 0, math.nan).nanmedian(dim=-1).values
+    # on a CPU, numpy's vectorized sort then a pick: about a tenth of torch's selection (0.3 ms
+    # for 48 rows of 512 entries), whose comparisons branch on the data. Sorted, each row holds
+    # its zeros, then the values, then the NaNs.
+    rows = np.sort(magnitude.detach().numpy(), axis=-1)
+    zeros = (rows == 0).sum(axis=-1)
+    values = rows.shape[-1] - zeros - np.isnan(rows).sum(axis=-1)
+    middle = np.minimum(zeros + np.maximum(values - 1, 0) // 2, rows.shape[-1] - 1)
+    median = np.take_along_axis(rows, np.expand_dims(middle, -1), axis=-1).squeeze(-1)
+    return torch.from_numpy(np.where(values > 0, median, np.nan).astype(rows.dtype))
 
 
 def outlier_stats(x: torch.Tensor) -> torch.Tensor:

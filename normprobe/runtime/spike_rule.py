@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -50,7 +51,7 @@ def check(
 
 
 class HostRule:
-    """`check`'s rule on a CPU, in Python floats: per column, float64 running sums of the
+    """`check`'s rule on a CPU, in float64 numpy arrays: per column, running sums of the
     history's values and squares, a value added as it enters and the one ``window`` steps
     older taken off. The sums are redone from the history every ``window`` steps, and for a
     column at once when the value taken off was so large against what remains (`RESUM`) that
@@ -60,53 +61,43 @@ class HostRule:
     def __init__(self, spikes: Spikes, columns: int) -> None:
         self.sigma = spikes.sigma
         self.warmup = min(WARMUP, spikes.window)
-        # the values that entered (None: none did, NaN or Inf), ``window`` rows of columns
-        self.history: list[list[float | None]] = [[None] * columns for _ in range(spikes.window)]
-        self.counts = [0] * columns
-        self.sums = [0.0] * columns
-        self.squares = [0.0] * columns
+        # the values that entered (NaN: none did, a NaN or Inf), ``window`` rows of columns
+        self.history = np.full((spikes.window, columns), math.nan)
+        self.counts = np.zeros(columns)
+        self.sums = np.zeros(columns)
+        self.squares = np.zeros(columns)
 
     def __call__(self, row: np.ndarray[Any, Any], position: int) -> None:
         """The rule on the step whose values ``row`` holds (laid out as `check`'s), written
         into it; the values enter the history at ``position``."""
         columns = len(self.counts)
-        values = row[2 + columns : 2 + 2 * columns].tolist()
-        leaving = self.history[position]
-        z, means, counts = [], [], [float(n) for n in self.counts]
-        for c, x in enumerate(values):
-            n, total, squares = self.counts[c], self.sums[c], self.squares[c]
-            mean = total / n if n else math.nan
-            std = math.sqrt(max(squares / n - mean * mean, 0.0)) if n else math.nan
-            z.append(_quotient(x - mean, max(std, abs(mean) * STD_FLOOR)))
-            means.append(mean)
-            old, new = leaving[c], x if math.isfinite(x) else None
-            if old is not None:
-                n, total, squares = n - 1, total - old, squares - old * old
-            if new is not None:
-                n, total, squares = n + 1, total + new, squares + new * new
-            leaving[c] = new
-            self.counts[c], self.sums[c], self.squares[c] = n, total, squares
-            if old is not None and old * old > RESUM * squares:
-                self._resum(c)
+        values = row[2 + columns : 2 + 2 * columns].astype(np.float64)
+        counts = self.counts.copy()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            means = self.sums / counts
+            std = np.sqrt(np.maximum(self.squares / counts - means * means, 0.0))
+            z = (values - means) / np.maximum(std, np.abs(means) * STD_FLOOR)
+        old = self.history[position]
+        new = np.where(np.isfinite(values), values, math.nan)
+        left, entered = ~np.isnan(old), ~np.isnan(new)
+        old_or_0, new_or_0 = np.where(left, old, 0.0), np.where(entered, new, 0.0)
+        self.counts += entered.astype(np.float64) - left
+        self.sums = self.sums - old_or_0 + new_or_0
+        self.squares = self.squares - old_or_0 * old_or_0 + new_or_0 * new_or_0
+        self.history[position] = new
         if position == len(self.history) - 1:  # rounding kept from adding up for good
-            for c in range(columns):
-                self._resum(c)
-        flags = [
-            float(z[c] > self.sigma and counts[c] >= self.warmup and leaving[c] is not None)
-            for c in range(2)
-        ]
-        row[: 2 + columns] = flags + z
-        row[2 + 2 * columns :] = means + counts
+            self._resum(range(columns))
+        else:
+            self._resum(np.flatnonzero(left & (old_or_0 * old_or_0 > RESUM * self.squares)))
+        flags = (z[:2] > self.sigma) & (counts[:2] >= self.warmup) & entered[:2]
+        row[:2] = flags
+        row[2 : 2 + columns] = z
+        row[2 + 2 * columns : 2 + 3 * columns] = means
+        row[2 + 3 * columns :] = counts
 
-    def _resum(self, c: int) -> None:
-        entered = [v for step in self.history if (v := step[c]) is not None]
-        self.counts[c] = len(entered)
-        self.sums[c] = math.fsum(entered)
-        self.squares[c] = math.fsum(v * v for v in entered)
-
-
-def _quotient(a: float, b: float) -> float:
-    """``a / b`` as numpy divides: +-inf, or NaN for 0 / 0, when ``b`` is 0."""
-    if b:
-        return a / b
-    return a * math.inf if a else math.nan
+    def _resum(self, columns: Iterable[int]) -> None:
+        for c in columns:
+            entered = self.history[:, c][~np.isnan(self.history[:, c])].tolist()
+            self.counts[c] = len(entered)
+            self.sums[c] = math.fsum(entered)
+            self.squares[c] = math.fsum(v * v for v in entered)

@@ -8,9 +8,10 @@ from torch.overrides import TorchFunctionMode
 
 
 class CountSyncs(TorchFunctionMode):
-    """Counts the calls that copy device values to the host."""
+    """Counts the calls that copy device values to the host. ``numpy`` is none: it views a CPU
+    tensor's memory, and raises on a device tensor not copied with ``cpu`` first (counted)."""
 
-    SYNCS = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"})
+    SYNCS = frozenset({"item", "tolist", "cpu", "__bool__", "__float__", "__int__"})
 
     def __init__(self) -> None:
         super().__init__()

@@ -127,6 +127,29 @@ def test_zeros_are_left_out_of_the_median() -> None:
     assert math.isnan(probes.outlier_stats(torch.zeros(2, 3))[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_median_of_many_rows_is_torchs_nanmedian_of_their_nonzero_entries(
+    dtype: torch.dtype,
+) -> None:
+    # on a CPU the rows are sorted by numpy; each must give what torch's nanmedian gives once
+    # zeros are NaN: rows of odd and even length, zeros, NaNs, infinities, none left at all
+    torch.manual_seed(0)
+    for length in (1, 2, 5, 8, 512):
+        rows = torch.randn(48, length, dtype=dtype).abs()
+        rows[rows < 0.4] = 0.0
+        rows[torch.rand(rows.shape) < 0.1] = math.nan
+        rows[torch.rand(rows.shape) < 0.05] = math.inf
+        rows[0], rows[1] = 0.0, math.nan
+        top, power = torch.ones(48, 4, dtype=dtype), torch.ones(48, 4, dtype=dtype)
+        expected = rows.masked_fill(rows == 0, math.nan).nanmedian(dim=-1).values
+        ratios = probes.outlier_stats_many(top, power, rows)[:, 0]
+        torch.testing.assert_close(ratios, (1 / expected).float(), equal_nan=True)
+    # by hand: zeros and NaN left out, the lower middle of 1, 2, 3, 8 (an even count)
+    by_hand = torch.tensor([[0.0, 8.0, math.nan, 3.0, 0.0, 1.0, 2.0]], dtype=dtype)
+    ratio = probes.outlier_stats_many(torch.full((1, 1), 8.0, dtype=dtype), top[:1], by_hand)
+    assert ratio[0, 0] == 4.0
+
+
 def test_the_last_forward_of_a_step_counts() -> None:
     model = ResidualStack(depth=2, width=8)
     with torch.no_grad():
