@@ -8,7 +8,6 @@ import functools
 import math
 
 import numpy as np
-from tensorboard.compat.proto.summary_pb2 import Summary
 
 from .. import tags
 
@@ -33,7 +32,8 @@ def companion_tag(tag: str) -> tuple[str, str] | None:
     return None
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """``n`` (0 or more) as a protobuf varint."""
     out = bytearray()
     while n > 0x7F:
         out.append(n & 0x7F | 0x80)
@@ -64,8 +64,8 @@ class _Layout:
         parts, offsets, at = [], [], 0
         for tag in names + tuple(log2) + tuple(highest):
             name = tag.encode()
-            value = b"\x0a" + _varint(len(name)) + name + b"\x15"
-            head = b"\x0a" + _varint(len(value) + 4)
+            value = b"\x0a" + varint(len(name)) + name + b"\x15"
+            head = b"\x0a" + varint(len(value) + 4)
             parts.append(head + value + bytes(4))
             offsets.append(at + len(head) + len(value))
             at += len(parts[-1])
@@ -96,7 +96,8 @@ class ScalarSummaries:
     def __init__(self) -> None:
         self._layouts: dict[tuple[str, ...], _Layout] = {}
 
-    def summary(self, scalars: dict[str, float]) -> Summary:
+    def serialized(self, scalars: dict[str, float]) -> bytes:
+        """The serialized ``Summary`` of ``scalars`` and their companions."""
         names = tuple(scalars)
         layout = self._layouts.get(names)
         if layout is None:
@@ -104,4 +105,4 @@ class ScalarSummaries:
                 self._layouts.clear()
             layout = self._layouts[names] = _Layout(names)
         values = np.fromiter(scalars.values(), np.float64, count=layout.count)
-        return Summary.FromString(layout.fill(values))
+        return layout.fill(values)

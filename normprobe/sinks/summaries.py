@@ -3,17 +3,22 @@ summary series, the depth profiles `report` reads, the heatmaps' tags, and fast 
 
 from __future__ import annotations
 
+import itertools
 import re
+import struct
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import google_crc32c
+import numpy as np
+from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
 
 from .. import tags
 from ..common import spread
 from ..metrics import SERIES
-from .scalars import LOG2, STACK_MAX
+from .scalars import LAYOUTS, LOG2, STACK_MAX, varint
 
 # A chart of the custom-scalars dashboard: (category, title, regex of the tags it draws).
 Chart = tuple[str, str, str]
@@ -116,6 +121,67 @@ def profile_summary(profiles: dict[str, list[float]]) -> Summary:
             for tag, values in profiles.items()
         ]
     )
+
+
+# a float32 none of whose bytes is 0: filled in place of 0.0, it tells the floats' bytes apart
+_MARK = float(np.frombuffer(b"\x9f\x9f\x9f\x9f", dtype="<f4")[0])
+
+
+class ProfileSummaries:
+    """Serializes each step's depth profiles as `profile_summary` would, into a template of
+    their tags and lengths made once by it (the bytes where its floats go: those that differ
+    between two fills), keeping the templates of the last few layouts."""
+
+    def __init__(self) -> None:
+        self._layouts: dict[tuple[tuple[str, int], ...], tuple[np.ndarray, np.ndarray]] = {}
+
+    def serialized(self, profiles: dict[str, list[float]]) -> bytes:
+        layout = tuple((tag, len(values)) for tag, values in profiles.items())
+        made = self._layouts.get(layout)
+        if made is None:
+            if len(self._layouts) >= LAYOUTS:
+                self._layouts.clear()
+            made = self._layouts[layout] = _profile_template(layout)
+        template, positions = made
+        count = len(positions) // 4
+        values = np.fromiter(itertools.chain.from_iterable(profiles.values()), np.float64, count)
+        with np.errstate(over="ignore"):  # past float32's range: inf, as protobuf rounds it
+            template[positions] = values.astype("<f4").view(np.uint8)
+        return template.tobytes()
+
+
+def _profile_template(layout: tuple[tuple[str, int], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The serialized profiles of ``layout`` (zeros), and the positions of their floats' bytes
+    in order."""
+
+    def filled(value: float) -> np.ndarray:
+        profiles = {tag: [value] * length for tag, length in layout}
+        return np.frombuffer(profile_summary(profiles).SerializeToString(), dtype=np.uint8)
+
+    zeros, marked = filled(0.0), filled(_MARK)
+    positions = np.flatnonzero(zeros != marked)
+    assert len(positions) == 4 * sum(length for _, length in layout)
+    return zeros.copy(), positions
+
+
+def write_summary(writer: Any, summary: bytes, step: int) -> None:
+    """Write ``summary`` (a serialized ``Summary``) into the event file of ``writer`` (a
+    ``SummaryWriter``) as the event of ``step``, serialized here: a join of bytes, where
+    protobuf would parse it, copy it into an event and serialize that."""
+    event = b"".join(
+        (
+            b"\x09" + struct.pack("<d", time.time()),  # wall_time (1), a double
+            b"\x10" + varint(step & 0xFFFFFFFFFFFFFFFF),  # step (2), an int64
+            b"\x2a" + varint(len(summary)),  # summary (5)
+            summary,
+        )
+    )
+    file_writer = writer._get_file_writer()
+    queue = getattr(getattr(file_writer, "event_writer", None), "_async_writer", None)
+    if queue is not None:  # TensorBoard's EventFileWriter, which serializes and queues events
+        queue.write(event)
+    else:
+        file_writer.add_event(Event.FromString(event), step)
 
 
 def masked_crc32c(data: bytes) -> int:

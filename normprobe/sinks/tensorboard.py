@@ -25,11 +25,12 @@ from .summaries import (
     HEATMAP_MIN_COLUMNS,
     HISTORY,
     LABELS,
+    ProfileSummaries,
     custom_scalars_layout,
     depth_histogram,
     heatmap_tag,
-    profile_summary,
     use_fast_checksums,
+    write_summary,
 )
 
 
@@ -129,6 +130,7 @@ class TensorBoardSink:
         self._drawn_heads: set[tuple[str, str, str]] = set()
         self._drawn: set[str] = set()  # profiles drawn since their last new column
         self._scalar_summaries = ScalarSummaries()
+        self._profile_summaries = ProfileSummaries()
         # the flags' history: each tag's last HISTORY (step, value) and its first, folded in
         # from the records not folded yet when the flags are judged
         self._history: dict[str, deque[tuple[int, float]]] = {}
@@ -152,13 +154,14 @@ class TensorBoardSink:
         if not self.layout_written:
             self.layout_written = True
             self.writer.add_custom_scalars(custom_scalars_layout(record.scalars))
-        # one event holding every scalar and depth profile of the step
-        summary = self._scalar_summaries.summary(record.scalars) if record.scalars else Summary()
+        # one event holding every scalar and depth profile of the step (serialized Summaries
+        # joined are one Summary: their values in a row)
+        summary = self._scalar_summaries.serialized(record.scalars) if record.scalars else b""
         if record.profiles:
-            summary.MergeFrom(profile_summary(record.profiles))
+            summary += self._profile_summaries.serialized(record.profiles)
             self._keep_profiles(record)
-        if summary.value:
-            self.writer._get_file_writer().add_summary(summary, record.step)
+        if summary:
+            write_summary(self.writer, summary, record.step)
         for tag, text in record.texts.items():
             self.writer.add_text(tag, text, record.step)
             self._texts.setdefault(tag, []).append((record.step, text))
