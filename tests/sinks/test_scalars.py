@@ -8,8 +8,10 @@ import random
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
@@ -98,8 +100,19 @@ def test_a_profile_template_serializes_as_protobuf_does() -> None:
     assert len(summaries._layouts) == len(layouts)
 
 
-def test_an_event_serialized_here_reads_back(tmp_path: Path) -> None:
+class _EventsOnly:
+    """An event writer that takes `Event` objects alone (no queue of serialized ones)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.add_event, self.flush, self.close = inner.add_event, inner.flush, inner.close
+
+
+@pytest.mark.parametrize("queue", [True, False])
+def test_an_event_serialized_here_reads_back(tmp_path: Path, queue: bool) -> None:
     writer = SummaryWriter(log_dir=str(tmp_path))
+    if not queue:
+        file_writer = writer._get_file_writer()
+        file_writer.event_writer = _EventsOnly(file_writer.event_writer)
     scalars = {"train/loss": 0.5, "normprobe/grad_ratio/blocks": 8.0}
     profiles = {"normprobe/resid_rms/blocks": [1.0, 2.0, 4.0]}
     summary = ScalarSummaries().serialized(scalars) + ProfileSummaries().serialized(profiles)
