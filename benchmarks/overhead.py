@@ -17,6 +17,7 @@ Cases (the targets of the overhead goals, see the README):
 
 Variants:
   bare             the training step alone
+  bare again       a second bare copy: its ratio is what this run's noise alone reads
   every=50         normprobe.attach(..., every=50) with the defaults: every metric, the spike
                    detector on (the loop hands it the loss with probe.observe_loss), TensorBoard
   every=50 exact   the same with a spike detector that reads every gradient entry
@@ -160,6 +161,7 @@ def variants(case: Case, device: torch.device, families: bool) -> dict[str, Step
 
     exact = normprobe.Spikes(sample=None)
     out: dict[str, Step] = {"bare": _trainer(fresh(), case.loss)}
+    out["bare again"] = _trainer(fresh(), case.loss)
     out["every=50"] = _trainer(fresh(), case.loss, every=50, log_dir=_log_dir())
     out["every=50 exact"] = _trainer(fresh(), case.loss, every=50, log_dir=_log_dir(), spikes=exact)
     out["no spikes"] = _trainer(fresh(), case.loss, every=50, log_dir=_log_dir(), spikes=None)
