@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -17,6 +19,9 @@ LOG2 = ("grad_ratio", "resid_growth")
 # and these per-module series as each stack's largest (``normprobe/summary/<series>/<stack>``)
 STACK_MAX = ("attn_logit_max",)
 LAYOUTS = 8  # tag lists kept (a record of spike events between the logged steps' has its own)
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -89,6 +94,17 @@ class _Layout:
         return self.template.tobytes()
 
 
+def kept(layouts: dict[K, V], key: K, make: Callable[[K], V]) -> V:
+    """The template ``layouts`` holds for ``key``, made (and kept) if it holds none; at most
+    `LAYOUTS` are kept."""
+    found = layouts.get(key)
+    if found is None:
+        if len(layouts) >= LAYOUTS:
+            layouts.clear()
+        found = layouts[key] = make(key)
+    return found
+
+
 class ScalarSummaries:
     """Makes the Summary of each step's scalars and their companions, keeping the templates
     of the last few tag lists it saw."""
@@ -98,11 +114,6 @@ class ScalarSummaries:
 
     def serialized(self, scalars: dict[str, float]) -> bytes:
         """The serialized ``Summary`` of ``scalars`` and their companions."""
-        names = tuple(scalars)
-        layout = self._layouts.get(names)
-        if layout is None:
-            if len(self._layouts) >= LAYOUTS:
-                self._layouts.clear()
-            layout = self._layouts[names] = _Layout(names)
+        layout = kept(self._layouts, tuple(scalars), _Layout)
         values = np.fromiter(scalars.values(), np.float64, count=layout.count)
         return layout.fill(values)

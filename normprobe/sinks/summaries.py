@@ -18,7 +18,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from .. import tags
 from ..common import spread
 from ..metrics import SERIES
-from .scalars import LAYOUTS, LOG2, STACK_MAX, varint
+from .scalars import LOG2, STACK_MAX, kept, varint
 
 # A chart of the custom-scalars dashboard: (category, title, regex of the tags it draws).
 Chart = tuple[str, str, str]
@@ -137,12 +137,7 @@ class ProfileSummaries:
 
     def serialized(self, profiles: dict[str, list[float]]) -> bytes:
         layout = tuple((tag, len(values)) for tag, values in profiles.items())
-        made = self._layouts.get(layout)
-        if made is None:
-            if len(self._layouts) >= LAYOUTS:
-                self._layouts.clear()
-            made = self._layouts[layout] = _profile_template(layout)
-        template, positions = made
+        template, positions = kept(self._layouts, layout, _profile_template)
         count = len(positions) // 4
         values = np.fromiter(itertools.chain.from_iterable(profiles.values()), np.float64, count)
         with np.errstate(over="ignore"):  # past float32's range: inf, as protobuf rounds it

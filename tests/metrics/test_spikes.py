@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
+from syncs import CountSyncs
 from tb import read_events, read_texts
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -111,12 +112,8 @@ def test_a_rise_below_sigma_is_no_spike(tmp_path: Path) -> None:
 
 
 class CountTransfers(TorchFunctionMode):
-    """Counts the calls that read tensor values on the host, and the detector's copies of its
-    verdict into host memory. ``numpy`` is no such call: it views a CPU tensor's memory (as
-    the outliers' median does, to sort it), and raises on a device tensor not copied with
-    ``cpu`` first (counted)."""
-
-    READS = frozenset({"item", "tolist", "cpu", "__bool__", "__float__", "__int__"})
+    """Counts the calls that read tensor values on the host (`CountSyncs.SYNCS`), and the
+    detector's copies of its verdict into host memory."""
 
     def __init__(self, detector: SpikeDetector) -> None:
         super().__init__()
@@ -125,7 +122,7 @@ class CountTransfers(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
-        self.reads += name in self.READS
+        self.reads += name in CountSyncs.SYNCS
         if name == "copy_":
             self.copies += any(args[0] is h for h in getattr(self.detector, "_host", ()))
         return func(*args, **(kwargs or {}))
