@@ -4,6 +4,7 @@ and one norm where a wrapper only applies its own gain and bias to a parameter-f
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -114,25 +115,45 @@ def _fold_wrappers(scene: Scene, found: dict[str, NormLayer]) -> dict[str, NormL
     modules only multiply by and add their own parameters to (``self.ln(x) * self.gamma``)
     is listed once, as the outermost of them, with their gain and bias."""
     modules = dict(scene.model.named_modules())
+    paths: dict[int, list[str]] = {}  # by id of a module: every name it goes by
+    for name, m in scene.model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(name)
     folded: dict[str, str] = {}  # wrapper -> the norm it wraps
     for path in found:
         if any(True for _ in modules[path].parameters()):
             continue
         outer = path
-        while outer and _wraps(scene, parent := outer.rpartition(".")[0], path, modules):
+        while outer and _wraps(scene, parent := outer.rpartition(".")[0], path, modules, paths):
             outer = parent
         if outer != path:
             folded[outer] = path
-    if not folded:
-        return found
     for outer, inner in folded.items():
         found[outer] = _wrapper_entry(scene, outer, inner, found[inner], modules[outer])
     drop = set(folded.values()) | {p for p in found if any(within(p, o) for o in folded)}
     drop -= set(folded)
-    return {p: found[p] for p in modules if p in found and p not in drop}
+    kept = {p: found[p] for p in modules if p in found and p not in drop}
+    # a module that behaves like a norm (or is named like one) around a norm it does more
+    # than apply a gain and bias to (a gain shared with another module, a bias before the
+    # gain): the norm inside is the normalization, listed once
+    holders = {a for p in kept for a in _ancestors(p) if a in kept and a not in folded}
+    return {p: n for p, n in kept.items() if p not in holders}
 
 
-def _wraps(scene: Scene, outer: str, norm: str, modules: dict[str, nn.Module]) -> bool:
+def _ancestors(path: str) -> list[str]:
+    """The paths of the modules that hold the module at ``path`` ("" is the root)."""
+    if not path:
+        return []
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts))]
+
+
+def _wraps(
+    scene: Scene,
+    outer: str,
+    norm: str,
+    modules: dict[str, nn.Module],
+    paths: dict[int, list[str]],
+) -> bool:
     """Whether all ``outer`` computes is the norm at ``norm`` on its input, times a gain
     and plus a bias of its own: every parameter below it is its own, the norm reads its
     input (through casts) and its output comes from the norm's (`_affine_chain`)."""
@@ -154,7 +175,9 @@ def _wraps(scene: Scene, outer: str, norm: str, modules: dict[str, nn.Module]) -
         return False
     if not inner[0].in_nodes or not _affine_chain(g, call.in_nodes[0], inner[0].in_nodes[0]):
         return False
-    names = frozenset(f"{outer}.{n}" if outer else n for n, _ in m.named_parameters(recurse=False))
+    # its own parameters by every name the module goes by (registered twice: read by both)
+    own_named = list(m.named_parameters(recurse=False))
+    names = {f"{q}.{n}" if q else n: id(p) for q in paths[id(m)] for n, p in own_named}
     return _affine_chain(g, inner[0].out_nodes[0], call.out_nodes[0], names)
 
 
@@ -185,13 +208,14 @@ def _wrapper_entry(
     )
 
 
-def _affine_chain(g: Graph, start: int, end: int, params: frozenset[str] = frozenset()) -> bool:
+def _affine_chain(g: Graph, start: int, end: int, params: Mapping[str, int] | None = None) -> bool:
     """Whether ``end`` is ``start`` through casts, then at most one product with a gain, then at
-    most one sum with a bias, each one of ``params`` (or a tensor computed from it alone, as
-    ``1 + gain``); never through a permute or reshape (the statistics would run over another
-    axis), a division or a difference."""
+    most one sum with a bias, each one of ``params`` (qualified name -> id of the parameter;
+    or a tensor computed from it alone, as ``1 + gain``); never through a permute or reshape
+    (the statistics would run over another axis), a division or a difference."""
+    params = params or {}
     n = end
-    seen: dict[str, tuple[str, ...]] = {}  # "mul" / "add" -> the parameters it reads
+    seen: dict[str, set[int]] = {}  # "mul" / "add" -> the parameters it reads
     while n != start:
         inputs = g.inputs[n]
         if len(inputs) != 1 or n < start:
@@ -199,13 +223,13 @@ def _affine_chain(g: Graph, start: int, end: int, params: frozenset[str] = froze
         if g.op[n] not in _CAST_OPS:
             role = "mul" if g.op[n] in _MUL_OPS else "add" if g.op[n] in ADD_OPS else None
             read = g.param_src[n]
-            if role is None or not g.uses_param[n] or not read or set(read) - params:
+            if role is None or not g.uses_param[n] or not read or set(read) - params.keys():
                 return False
             if role in seen or (role == "add" and "mul" in seen):  # one gain, then one bias
                 return False
             if g.shape[n] != g.shape[inputs[0]]:
                 return False
-            seen[role] = read
+            seen[role] = {params[q] for q in read}
         n = inputs[0]
     return all(len(read) == 1 for read in seen.values())
 

@@ -156,6 +156,40 @@ def test_a_gain_around_a_parameter_free_layernorm_is_one_norm(
     assert not m.doubts
 
 
+def test_a_wrapper_registered_under_two_names_is_one_norm() -> None:
+    """A block also kept under a second attribute (``self.first = blocks[0]``): its wrappers'
+    gains are read under both names, and each wrapper is still one norm, its inner norm not
+    listed besides it."""
+    model = Net(WrappedLayerNorm)
+    model.first = model.blocks[0]
+    m = normprobe.discover(model, X)
+    assert [(n.path, n.role, n.wraps) for n in m.norms] == [
+        *((p, "pre", p + ".ln") for p in PRE),
+        ("norm", "final", "norm.ln"),
+    ]
+    converted = normprobe.convert_norms(model, "rmsnorm", example_inputs=(X,))
+    assert converted.first is converted.blocks[0]
+    assert type(converted.first.norm1) is nn.RMSNorm
+
+
+class TiedGainNet(Net):
+    """`Net` whose first wrapper's gain is the final wrapper's (tied)."""
+
+    def __init__(self) -> None:
+        super().__init__(WrappedLayerNorm)
+        self.blocks[0].norm1.gamma = self.norm.gamma
+
+
+def test_wrappers_sharing_a_gain_are_not_folded() -> None:
+    """A gain tied across two wrappers is neither's alone (unlike one wrapper under two
+    names): each parameter-free LayerNorm inside is the norm; the others stay folded."""
+    m = normprobe.discover(TiedGainNet(), X)
+    paths = [n.path for n in m.norms]
+    assert "blocks.0.norm1.ln" in paths and "norm.ln" in paths
+    assert "blocks.0.norm1" not in paths and "norm" not in paths
+    assert "blocks.1.norm1" in paths
+
+
 def test_a_per_head_gain_around_a_parameter_free_rmsnorm_is_one_qk_norm() -> None:
     m = normprobe.discover(Net(WrappedLayerNorm, attention=True), X)
     qk = [n for n in m.norms if n.role == "qk"]
@@ -238,11 +272,40 @@ def test_a_norm_with_a_layer_or_an_activation_around_it_is_not_folded() -> None:
     assert [n.path for n in m.norms] == [f"{p}.ln" for p in [*PRE, "norm"]]
     assert all(n.wraps is None for n in m.norms)
     model = Net(NormThenGelu)
+    _randomize(model)
     m = normprobe.discover(model, X)
+    # the norm inside is the normalization, listed once: the module around it is no norm
+    assert [n.path for n in m.norms] == [f"{p}.ln" for p in [*PRE, "norm"]]
     assert all(n.wraps is None for n in m.norms)
-    assert "blocks.0.norm1.ln" in [n.path for n in m.norms]
-    with pytest.raises(ValueError, match=r"fused norm and activation.*nothing was changed"):
-        normprobe.convert_norms(model, "rmsnorm", model_map=m)
+    # converting swaps the norm inside, the gain and the activation around it stay
+    model = normprobe.convert_norms(model, "rmsnorm", model_map=m)
+    fused = model.blocks[0].norm1
+    assert type(fused) is NormThenGelu and type(fused.ln) is nn.RMSNorm
+    hand = F.gelu(X / torch.sqrt(X.pow(2).mean(-1, keepdim=True) + 1e-5) * fused.gamma)
+    torch.testing.assert_close(fused(X), hand)
+
+
+class ConvNormActBlock(nn.Module):
+    def __init__(self) -> None:
+        from timm.layers import BatchNormAct2d
+
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = BatchNormAct2d(4)  # a BatchNorm2d subclass that also runs its ``act`` (ReLU)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bn(self.conv(x))
+
+
+def test_a_norm_class_that_also_runs_an_activation_is_refused() -> None:
+    """timm's BatchNormAct2d is a norm (a BatchNorm2d subclass) that also applies a ReLU:
+    converting it would drop the ReLU, so conversion refuses and changes nothing."""
+    model = nn.Sequential(ConvNormActBlock(), ConvNormActBlock())
+    x = torch.randn(2, 4, 5, 5)
+    assert [n.path for n in normprobe.discover(model, x).norms] == ["0.bn", "1.bn"]
+    with pytest.raises(ValueError, match=r"0\.bn .*also runs \['act'\].*nothing was changed"):
+        normprobe.convert_norms(model, "groupnorm", example_inputs=(x,))
+    assert type(model[0].bn).__name__ == "BatchNormAct2d"
 
 
 # ---------------------------------------------------------------------------------------------
