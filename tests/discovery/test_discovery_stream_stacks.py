@@ -315,6 +315,37 @@ def test_lists_of_called_blocks_zipped_by_the_parent_stay_a_stack_each() -> None
         assert std == pytest.approx(GPT2_STD / math.sqrt(2 * DEPTH), rel=0.05), w
 
 
+def test_xlm_lists_zipped_by_its_forward_are_a_stack_each_with_the_models_n() -> None:
+    """transformers' XLM keeps its layers' attentions, norms and feed-forwards in four lists
+    that its forward zips: a stack per list (the known gap of lists zipped by the parent),
+    each of the model's N, so GPT-2's init still scales the writers by 1/sqrt(2N)."""
+    from transformers import XLMConfig, XLMModel
+
+    torch.manual_seed(0)
+    config = XLMConfig(
+        vocab_size=64,
+        emb_dim=WIDTH,
+        n_layers=DEPTH,
+        n_heads=4,
+        max_position_embeddings=32,
+        use_lang_emb=False,
+        n_langs=1,
+    )
+    model, ids = XLMModel(config), torch.randint(0, 64, (2, 16))
+    m = _discover(model, ids)
+    assert _stacks(m) == {
+        "attentions": (DEPTH, "post-ln", DEPTH),
+        "layer_norm1": (DEPTH, "post-ln", 0),
+        "ffns": (DEPTH, "post-ln", DEPTH),
+        "layer_norm2": (DEPTH, "post-ln", 0),
+    }
+    stds = _gpt2_stds(model, m, ids)
+    writers = {f"attentions.{i}.out_lin" for i in range(DEPTH)}
+    assert set(stds) == writers | {f"ffns.{i}.lin2" for i in range(DEPTH)}
+    for w, std in stds.items():
+        assert std == pytest.approx(GPT2_STD / math.sqrt(2 * DEPTH), rel=0.05), w
+
+
 def test_a_list_of_a_sublayers_pre_and_post_norm_is_no_stack() -> None:
     torch.manual_seed(0)
     model, x = Sandwich(), _tokens()
