@@ -1,7 +1,7 @@
 """What the probe costs a training step, against a bare step and the hooks people write today.
 
     python benchmarks/overhead.py [--rounds 7] [--steps 8] [--case mlp gpt2 stack] [--families]
-                                  [--device cuda] [--bf16]
+                                  [--parts] [--device cuda] [--bf16]
 
 Every variant trains its own copy of the same weights; the variants take turns (interleaved
 rounds in a shuffled order, in one process) so that machine noise hits them alike. On a CPU a
@@ -33,6 +33,14 @@ Variants:
   -<family>        (--families) every=1 into a MemorySink without that family: its
                    cost is what leaving it out saves
 
+--parts (CPU) times instead what each family's own code costs a logged step (every=1, a
+MemorySink) on the training thread (``time.thread_time``: the process clock folds other
+threads' time in at scheduler ticks, too coarse for parts of a millisecond), and the
+probe's runtime apart from them (its hooks' Python, the attention mode, the spike detector,
+the flush); the torch threads a part's operations run on besides are not counted. The
+residual stream's reductions, which several families share, count as the first's
+(``resid_rms``).
+
 The every=50 rows are the median round: a round of 8 steps rarely holds the one logged step in
 50, so they read what an unlogged step costs.
 
@@ -43,7 +51,9 @@ On CUDA it also counts the host syncs of each step of a probe logging every 3rd 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import gc
 import math
 import random
@@ -51,7 +61,8 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +71,7 @@ from torch import nn
 
 import normprobe
 from normprobe.models import MLPStack, ResidualStack, TinyTransformer
+from normprobe.runtime import hooks, modes, plan
 
 Step = Callable[[], None]
 Loss = Callable[[nn.Module], torch.Tensor]
@@ -221,6 +233,125 @@ def ratios(times: dict[str, list[float]]) -> dict[str, tuple[float, float, float
     return out
 
 
+class PartTimes:
+    """Training-thread CPU seconds by part, each part's own (time in parts it calls left out)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._inner: list[float] = []  # per open part: the time of the parts it called
+
+    def timed(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            self._inner.append(0.0)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.thread_time() - start
+                self.seconds[part] += spent - self._inner.pop()
+                if self._inner:
+                    self._inner[-1] += spent
+
+        return run
+
+
+@contextlib.contextmanager
+def _timing_parts(times: PartTimes) -> Iterator[None]:
+    """Within: each family's callables timed under its name, the hooks and the attention mode
+    under ``runtime`` (the model's own operations inside the mode left out)."""
+    owner = plan.ProbePlan
+    saved = {
+        name: getattr(owner, name)
+        for name in ("install", *_CALLABLES, "read", "read_attention", "shared")
+    }
+    family: list[str] = ["runtime"]
+
+    def install(self: Any, families: Any) -> None:
+        for f in families:
+            family[0] = f.name
+            saved["install"](self, [f])
+        family[0] = "runtime"
+
+    def registering(name: str, index: int) -> Callable[..., Any]:
+        def register(self: Any, *args: Any, **kwargs: Any) -> Any:
+            args = tuple(times.timed(family[0], a) if i == index else a for i, a in enumerate(args))
+            if "action" in kwargs:
+                kwargs["action"] = times.timed(family[0], kwargs["action"])
+            return saved[name](self, *args, **kwargs)
+
+        return register
+
+    def shared(self: Any, key: str, make: Callable[[], Any]) -> Any:
+        return saved["shared"](self, key, times.timed(family[0], make))
+
+    call, mode = hooks.ProbeHook.__call__, modes.AttentionLogits.__torch_function__
+
+    def in_mode(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # the model's operation inside is the model's: timed as a part of its own, dropped
+        return mode(self, times.timed("model", func), types, args, kwargs)
+
+    replaced = {
+        "install": install,
+        "shared": shared,
+        "read": registering("read", 2),
+        "read_attention": registering("read_attention", 1),
+        **{name: registering(name, 0) for name in _CALLABLES},
+    }
+    for name, fn in replaced.items():
+        setattr(owner, name, fn)
+    hooks.ProbeHook.__call__ = times.timed("runtime", call)  # type: ignore[method-assign]
+    modes.AttentionLogits.__torch_function__ = times.timed("runtime", in_mode)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(owner, name, fn)
+        hooks.ProbeHook.__call__ = call  # type: ignore[method-assign]
+        modes.AttentionLogits.__torch_function__ = mode  # type: ignore[method-assign]
+
+
+# where families hand the probe a callable as the first argument (called on logged steps)
+_CALLABLES = (
+    "read_add",
+    "read_outputs",
+    "read_gradients",
+    "at_forward_start",
+    "at_forward_end",
+    "on_gradients",
+    "before_step",
+    "after_step",
+    "at_flush",
+    "on_clear",
+    "on_record",
+)
+
+
+def parts(
+    case: Case, device: torch.device, steps: int = 10
+) -> tuple[float, float, dict[str, float]]:
+    """The training thread's seconds per bare step and per logged step (every=1, a MemorySink;
+    the two in turn), and each part's of the logged one."""
+    times = PartTimes()
+    with _timing_parts(times):
+        bare = _trainer(case.make().to(device), case.loss)
+        sinks = [normprobe.MemorySink()]
+        logged = _trainer(case.make().to(device), case.loss, every=1, sinks=sinks)
+        for _ in range(3):  # discovery and the first logged steps
+            bare()
+            logged()
+        times.seconds.clear()
+        spent = {bare: 0.0, logged: 0.0}
+        for _ in range(steps):
+            for step in spent:
+                start = time.thread_time()
+                step()
+                spent[step] += time.thread_time() - start
+    times.seconds.pop("model", None)
+    per_part = {part: s / steps for part, s in times.seconds.items()}
+    return spent[bare] / steps, spent[logged] / steps, per_part
+
+
 def syncs_per_step(case: Case, device: torch.device) -> list[int]:
     """Host syncs of steps 3..8 of a probe logging every 3rd step (CUDA only)."""
     step = _trainer(case.make().to(device), case.loss, every=3, log_dir=_log_dir())
@@ -246,6 +377,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per round")
     parser.add_argument("--case", nargs="+", default=["mlp", "gpt2", "stack"])
     parser.add_argument("--families", action="store_true", help="what each family costs")
+    parser.add_argument(
+        "--parts", action="store_true", help="each family's own time on a logged step (CPU)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--bf16", action="store_true", help="forward under bf16 autocast")
     args = parser.parse_args()
@@ -258,11 +392,24 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown --case {unknown}: choose from {list(every)}")
     clock = "wall time" if device.type == "cuda" else "process CPU time"
-    print(f"{device}{' (bf16 autocast)' if BF16 else ''}, {clock}, median of {args.rounds} rounds")
+    if args.parts:
+        print(f"{device}: each part's own training-thread CPU time on a logged step")
+    else:
+        rounds = f"median of {args.rounds} rounds"
+        print(f"{device}{' (bf16 autocast)' if BF16 else ''}, {clock}, {rounds}")
     for name in args.case:
         case = every[name]
         if device.type == "cpu":
             torch.set_num_threads(case.threads)
+        if args.parts:
+            bare, total, spent = parts(case, device)
+            print(
+                f"\n{case.title}\n  training thread: a bare step {bare * 1e3:.1f} ms, "
+                f"a logged step {total * 1e3:.1f} ms"
+            )
+            for part, seconds in sorted(spent.items(), key=lambda item: -item[1]):
+                print(f"  {part:<18} {seconds * 1e3:7.2f} ms  {seconds / bare:6.1%} of a bare step")
+            continue
         steps = variants(case, device, args.families)
         times = measure(steps, args.rounds, args.steps, device)
         print(f"\n{case.title}")
