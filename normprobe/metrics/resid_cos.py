@@ -17,6 +17,7 @@ from .core.base import (
     Run,
     Series,
     Values,
+    layer_scaled,
     placement,
     sustained,
 )
@@ -36,6 +37,10 @@ COLLAPSE_COS = 0.999
 # second half (benchmarks/calibration_unseen.py); the collapsing run of the calibration set
 # holds its turn at 1.0x.
 RECEDING = 1.25
+# A stack whose every branch writes through a learned layer scale (CaiT's 1e-5, ConvNeXt's
+# 1e-6) starts collapsed by design and leaves it as the scales grow: a note from its first steps
+# on (timm's CaiT-XXS24 reads 0.99999 on its first logged steps, and its turn grows 1.25x only
+# after tens of healthy steps), whether its turn has grown yet or not.
 # Collapse is a matter of depth (Xie et al. 2023, ResiDual); below 4 blocks there is no deep half
 # to speak of.
 COLLAPSE_MIN_DEPTH = 4
@@ -97,6 +102,8 @@ class ResidCos(Family):
             where = placement(run, stack)
             growth = (1 - mean) / max(1 - means[len(means) // 2][1], 1e-12)
             receding = growth >= RECEDING
+            scaled = layer_scaled(run, stack)
+            note = receding or scaled or where in ("post-ln", "deepnorm")
             found.append(
                 Flag(
                     "representation collapse",
@@ -107,19 +114,26 @@ class ResidCos(Family):
                     f"consecutive blocks' streams have cosine {mean:.5f} > {COLLAPSE_COS} on "
                     f"average over blocks {blocks[0]}..{blocks[-1]} (the deep half) at "
                     f"{len(hits)} logged steps: those blocks barely change the "
-                    f"representation{_advice(where, growth)}",
-                    NOTE if receding or where in ("post-ln", "deepnorm") else PROBLEM,
+                    f"representation{_advice(where, growth, scaled)}",
+                    NOTE if note else PROBLEM,
                 )
             )
         return found
 
 
-def _advice(where: str | None, growth: float) -> str:
-    """Why the stream may be collapsed, and the way out; ``growth``: the turn's, since mid-run."""
+def _advice(where: str | None, growth: float, scaled: bool) -> str:
+    """Why the stream may be collapsed, and the way out; ``growth``: the turn's, since mid-run;
+    ``scaled``: every branch writes through a learned layer scale."""
     if growth >= RECEDING:
         return (
             f" yet, but their turn (1 - cosine) is {growth:.3g}x what it was mid-run: branches "
             "that start small (layer scales) are growing; watch that it keeps growing"
+        )
+    if scaled:
+        return (
+            " yet: every branch writes through a learned layer scale, which starts small by "
+            "design; watch that their turn (1 - cosine) grows as the scales do (if it stays "
+            "flat, the scales are not growing: weight decay on them, or too low a learning rate)"
         )
     why = " (typical of Pre-LN, whose stream outgrows each block's write)"
     return (

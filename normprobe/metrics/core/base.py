@@ -376,3 +376,9 @@ def placement(run: Run, stack: str) -> str | None:
     """The stack's placement as the probe wrote it (``pre-ln``, ``post-ln``, ...), if it did."""
     texts = run.texts.get(format_tag("placement", stack), [])
     return texts[-1][1] if texts else None
+
+
+def layer_scaled(run: Run, stack: str) -> bool:
+    """Whether every residual branch of the stack writes through a learned layer scale (CaiT's,
+    ConvNeXt's), as the probe wrote it."""
+    return bool(run.texts.get(format_tag("layer_scales", stack)))
