@@ -261,10 +261,7 @@ def _timing_parts(times: PartTimes) -> Iterator[None]:
     """Within: each family's callables timed under its name, the hooks and the attention mode
     under ``runtime`` (the model's own operations inside the mode left out)."""
     owner = plan.ProbePlan
-    saved = {
-        name: getattr(owner, name)
-        for name in ("install", *_CALLABLES, "read", "read_attention", "shared")
-    }
+    saved: dict[str, Callable[..., Any]] = {}  # the methods replaced, as they were
     family: list[str] = ["runtime"]
 
     def install(self: Any, families: Any) -> None:
@@ -299,6 +296,7 @@ def _timing_parts(times: PartTimes) -> Iterator[None]:
         **{name: registering(name, 0) for name in _CALLABLES},
     }
     for name, fn in replaced.items():
+        saved[name] = getattr(owner, name)
         setattr(owner, name, fn)
     hooks.ProbeHook.__call__ = times.timed("runtime", call)  # type: ignore[method-assign]
     modes.AttentionLogits.__torch_function__ = times.timed("runtime", in_mode)  # type: ignore[method-assign]

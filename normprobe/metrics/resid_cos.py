@@ -37,10 +37,6 @@ COLLAPSE_COS = 0.999
 # second half (benchmarks/calibration_unseen.py); the collapsing run of the calibration set
 # holds its turn at 1.0x.
 RECEDING = 1.25
-# A stack whose every branch writes through a learned layer scale (CaiT's 1e-5, ConvNeXt's
-# 1e-6) starts collapsed by design and leaves it as the scales grow: a note from its first steps
-# on (timm's CaiT-XXS24 reads 0.99999 on its first logged steps, and its turn grows 1.25x only
-# after tens of healthy steps), whether its turn has grown yet or not.
 # Collapse is a matter of depth (Xie et al. 2023, ResiDual); below 4 blocks there is no deep half
 # to speak of.
 COLLAPSE_MIN_DEPTH = 4
@@ -102,6 +98,9 @@ class ResidCos(Family):
             where = placement(run, stack)
             growth = (1 - mean) / max(1 - means[len(means) // 2][1], 1e-12)
             receding = growth >= RECEDING
+            # every branch behind a learned layer scale (CaiT's 1e-5, ConvNeXt's 1e-6): collapsed
+            # by design until the scales grow, a note from the first step (timm's CaiT-XXS24 reads
+            # 0.99999 at first; its turn grows 1.25x only after tens of healthy steps)
             scaled = layer_scaled(run, stack)
             note = receding or scaled or where in ("post-ln", "deepnorm")
             found.append(

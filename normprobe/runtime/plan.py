@@ -280,7 +280,7 @@ class ProbePlan:
             self._placements_written = True
             for s in self.model_map.stacks:
                 out.text("placement", self.stack_name(s.path), s.placement)
-                adds = [a for a in self.model_map.residual_adds if a.stack == s.path]
+                adds = self.model_map.adds_in(s.path)
                 if adds and all(a.scales for a in adds):  # every branch behind a layer scale
                     out.text("layer_scales", self.stack_name(s.path), "learned")
         for family, fn in self.recorders:
