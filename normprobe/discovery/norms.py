@@ -325,10 +325,12 @@ def _describe(p: _Prober, y: torch.Tensor, eps: float | None) -> Behaviour:
 
 
 def _statistics_layout(p: _Prober, y: torch.Tensor) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-    """Perturb one element and see which others move: they share its statistics."""
+    """Perturb one element and see which others move: they share its statistics. The element
+    is the largest: a zero row of the input (a padding token's embedding) would stay zero
+    around it whatever it shares."""
     x = p.x.clone()
     shape = x.shape
-    center = tuple(s // 2 for s in shape)
+    center = tuple(int(i) for i in torch.unravel_index(x.abs().argmax(), shape))
     x[center] = x[center] + 5.0 * p.size
     moved = ((p(x) - y).abs() > 1e-6 * y.abs().max().clamp_min(1e-30)).nonzero()
     varying = {d for d in range(len(shape)) if (moved[:, d] != center[d]).any()}
