@@ -47,7 +47,7 @@ def map_add(
     norm_layers: list[NormLayer],
 ) -> ResidualAdd:
     """The `ResidualAdd` of add ``i``, the ``ordinal``-th of its module's call, with the
-    ``norms`` around it (``pre_norm``, ``post_norm``, ``sandwich_norm``)."""
+    ``norms`` around it (``pre_norm``, ``post_norm``, ``sandwich_norm``, ``end_norm``)."""
     g = scene.graph
     a = scene.adds[i]
     call = g.calls[a.call]
@@ -81,6 +81,7 @@ def map_add(
         pre_norm=norms.get("pre_norm"),
         post_norm=norms.get("post_norm"),
         sandwich_norm=norms.get("sandwich_norm"),
+        end_norm=norms.get("end_norm"),
         anchor=_anchor(scene, a),
         writers=writers,
         writer_params=params,

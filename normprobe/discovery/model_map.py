@@ -156,6 +156,9 @@ class ResidualAdd:
             it out. The skip may also be a weightless transform of the stream (a slice, pool,
             zero padding: the CIFAR ResNet's "option A" shortcut), still of kind ``identity``.
         pre_norm, post_norm, sandwich_norm: paths of the norms around this add, if any.
+        end_norm: the norm whose output is the branch's output, if one is: a sandwich's post
+            norm, or a norm ending a branch that has no pre norm (ResNet's last BatchNorm,
+            SwinV2's post norms).
         anchor: where the add's output can be read on every step.
         writers: every weight layer that writes into the stream through this add: the last
             weight layer on each path from the branch's input to the add, in execution order
@@ -187,6 +190,7 @@ class ResidualAdd:
     pre_norm: str | None = None
     post_norm: str | None = None
     sandwich_norm: str | None = None
+    end_norm: str | None = None
     anchor: Anchor | None = None
     writers: tuple[str, ...] = ()
     writer_params: tuple[str, ...] = ()
@@ -288,8 +292,21 @@ class ModelMap:
         """Residual adds belonging to the stack at ``stack``."""
         return [a for a in self.residual_adds if a.stack == stack]
 
+    def branch_gains(self, add: ResidualAdd) -> tuple[str, ...]:
+        """The learned gains that scale what ``add``'s branch writes, last on its way to the
+        add: its layer scales, else the gain of the norm ending it (empty: none)."""
+        if add.scales or add.end_norm is None:
+            return add.scales
+        norm = self.norm(add.end_norm)
+        return tuple(
+            f"{norm.path}.{p}" if norm.path else p for p in norm.affine if p not in _NORM_BIASES
+        )
+
     def __str__(self) -> str:
         return render(self)
+
+
+_NORM_BIASES = ("bias", "beta", "offset")
 
 
 def _name(path: str | None) -> str:

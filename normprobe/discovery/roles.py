@@ -11,7 +11,8 @@ from .ops import MATMUL_OPS, SCALE_OPS, SDPA_OPS, SOFTMAX_OPS
 from .residual import FoundAdd
 from .scene import Scene
 
-AddNorms = dict[int, dict[str, str]]  # by add: "pre_norm" / "post_norm" / "sandwich_norm" -> path
+# by add: "pre_norm" / "post_norm" / "sandwich_norm" / "end_norm" (the branch's last) -> path
+AddNorms = dict[int, dict[str, str]]
 
 
 @dataclass
@@ -115,7 +116,8 @@ def _find_other_roles(
             continue
         if g.alias[out] in flow.branch_of:
             i = flow.branch_of[g.alias[out]]
-            if "pre_norm" in add_norms.get(i, {}):
+            add_norms.setdefault(i, {})["end_norm"] = path
+            if "pre_norm" in add_norms[i]:
                 roles[path] = "sandwich-post"
                 add_norms[i]["sandwich_norm"] = path
             else:
@@ -145,9 +147,11 @@ def _roles_at_every_run(
         inp, out = g.alias[call.in_nodes[0]], call.out_nodes[0]
         if role == "post" and inp in flow.sum_of:
             add_norms.setdefault(flow.sum_of[inp], {}).setdefault("post_norm", call.path)
-        elif role == "sandwich-post" and g.alias[out] in flow.branch_of:
+        elif role in ("sandwich-post", "branch") and g.alias[out] in flow.branch_of:
             norms = add_norms.setdefault(flow.branch_of[g.alias[out]], {})
-            norms.setdefault("sandwich_norm", call.path)
+            norms.setdefault("end_norm", call.path)
+            if role == "sandwich-post":
+                norms.setdefault("sandwich_norm", call.path)
         elif role == "pre":
             for i in flow.stream_of.get(inp, []):
                 if out in adds[i].region:

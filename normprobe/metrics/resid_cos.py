@@ -17,7 +17,7 @@ from .core.base import (
     Run,
     Series,
     Values,
-    layer_scaled,
+    branch_gains,
     placement,
     sustained,
 )
@@ -40,6 +40,12 @@ RECEDING = 1.25
 # Collapse is a matter of depth (Xie et al. 2023, ResiDual); below 4 blocks there is no deep half
 # to speak of.
 COLLAPSE_MIN_DEPTH = 4
+# A stack collapsed since the first logged step is a note for its first JUDGED_AFTER logged steps:
+# branches whose writes start small at initialization start collapsed and turn the stream more as
+# training starts (timm's EVA-02 Tiny, its output projections scaled down with depth, logged every
+# step at a learning rate warming up to 1e-3: 0.99931 at step 1, 0.99941 at step 5, 0.99904 at
+# step 8, clear of 0.999 from step 9); one whose turn stays flat that long is a problem.
+JUDGED_AFTER = 10
 
 
 class ResidCos(Family):
@@ -98,11 +104,16 @@ class ResidCos(Family):
             where = placement(run, stack)
             growth = (1 - mean) / max(1 - means[len(means) // 2][1], 1e-12)
             receding = growth >= RECEDING
-            # every branch behind a learned layer scale (CaiT's 1e-5, ConvNeXt's 1e-6): collapsed
-            # by design until the scales grow, a note from the first step (timm's CaiT-XXS24 reads
-            # 0.99999 at first; its turn grows 1.25x only after tens of healthy steps)
-            scaled = layer_scaled(run, stack)
-            note = receding or scaled or where in ("post-ln", "deepnorm")
+            # every branch behind a learned gain that may start small or at zero (CaiT's layer
+            # scales of 1e-5, the last BatchNorm's gamma of timm's ResNets and RegNets, SwinV2-CR's
+            # post norms): collapsed by design until the gains grow, a note from the first step
+            # (timm's CaiT-XXS24 reads 0.99999 at first; its turn grows 1.25x only after tens of
+            # healthy steps). Gains near 1 hardly collapse such a stack: each block writes at the
+            # scale of its gain, which a stream of sqrt(l) such writes dwarfs past 0.999 only some
+            # 500 blocks deep.
+            gains = branch_gains(run, stack)
+            young = hits[0][0] == means[0][0] and len(hits) < JUDGED_AFTER
+            note = receding or young or gains is not None or where in ("post-ln", "deepnorm")
             found.append(
                 Flag(
                     "representation collapse",
@@ -113,26 +124,35 @@ class ResidCos(Family):
                     f"consecutive blocks' streams have cosine {mean:.5f} > {COLLAPSE_COS} on "
                     f"average over blocks {blocks[0]}..{blocks[-1]} (the deep half) at "
                     f"{len(hits)} logged steps: those blocks barely change the "
-                    f"representation{_advice(where, growth, scaled)}",
+                    f"representation{_advice(where, growth, gains, young)}",
                     NOTE if note else PROBLEM,
                 )
             )
         return found
 
 
-def _advice(where: str | None, growth: float, scaled: bool) -> str:
+def _advice(where: str | None, growth: float, gains: str | None, young: bool) -> str:
     """Why the stream may be collapsed, and the way out; ``growth``: the turn's, since mid-run;
-    ``scaled``: every branch writes through a learned layer scale."""
+    ``gains``: what every branch writes through last (`branch_gains`), if a learned gain;
+    ``young``: collapsed since the first logged step, fewer than `JUDGED_AFTER` of them."""
     if growth >= RECEDING:
         return (
             f" yet, but their turn (1 - cosine) is {growth:.3g}x what it was mid-run: branches "
             "that start small (layer scales) are growing; watch that it keeps growing"
         )
-    if scaled:
+    if gains is not None:
+        what = "the gain of the norm ending it" if gains == "norm gain" else f"a learned {gains}"
         return (
-            " yet: every branch writes through a learned layer scale, which starts small by "
-            "design; watch that their turn (1 - cosine) grows as the scales do (if it stays "
-            "flat, the scales are not growing: weight decay on them, or too low a learning rate)"
+            f" yet: every branch writes through {what}, which may start small or at zero by "
+            "design; watch that their turn (1 - cosine) grows as the gains do (if it stays "
+            "flat, the gains are not growing: weight decay on them, or too low a learning rate)"
+        )
+    if young:
+        return (
+            " since the first logged step: branches whose writes start small at initialization "
+            "(output projections scaled down with depth) start this way and turn the stream "
+            f"more as training starts; judged after {JUDGED_AFTER} logged steps, a problem if "
+            "their turn (1 - cosine) stays flat"
         )
     why = " (typical of Pre-LN, whose stream outgrows each block's write)"
     return (

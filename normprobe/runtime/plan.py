@@ -280,13 +280,22 @@ class ProbePlan:
             self._placements_written = True
             for s in self.model_map.stacks:
                 out.text("placement", self.stack_name(s.path), s.placement)
-                adds = self.model_map.adds_in(s.path)
-                if adds and all(a.scales for a in adds):  # every branch behind a layer scale
-                    out.text("layer_scales", self.stack_name(s.path), "learned")
+                gains = self._branch_gains(s.path)
+                if gains is not None:
+                    out.text("branch_gains", self.stack_name(s.path), gains)
         for family, fn in self.recorders:
             if family.validation or not values.validation:
                 fn(values, out)
         return out.record
+
+    def _branch_gains(self, stack: str) -> str | None:
+        """What every branch of ``stack`` writes through last, when each has a learned gain
+        there (``layer scale``, ``norm gain`` or both), else None."""
+        adds = self.model_map.adds_in(stack)
+        if not adds or not all(self.model_map.branch_gains(a) for a in adds):
+            return None
+        kinds = {"layer scale" if a.scales else "norm gain" for a in adds}
+        return " and ".join(sorted(kinds))
 
     def warn_missing(self, every_family: bool) -> None:
         """Warn (on the writing rank) about chosen families that found nothing to read; of

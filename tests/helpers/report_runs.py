@@ -61,11 +61,16 @@ def healthy_lm(log_dir: Path) -> Path:
 
 
 def check_d_stack(
-    log_dir: Path, pre_ln: bool, input_scale: float = 1.0, deepnorm: bool = False
+    log_dir: Path,
+    pre_ln: bool,
+    input_scale: float = 1.0,
+    deepnorm: bool = False,
+    steps: int = 3,
 ) -> Path:
     """The 48-block stack and batch of sanity check [d] (same seed as test_runtime's,
-    where grad_ratio/lins reads 0.40 for Pre-LN and 2.35 for Post-LN), logged at 3 steps of an
-    optimizer with learning rate 0: the same values each step, a condition held over steps."""
+    where grad_ratio/lins reads 0.40 for Pre-LN and 2.35 for Post-LN), logged at ``steps`` steps
+    of an optimizer with learning rate 0: the same values each step, a condition held over
+    steps."""
     torch.manual_seed(0)
     stack = ResidualStack(48, 64, pre_ln=pre_ln)
     if deepnorm:
@@ -73,7 +78,7 @@ def check_d_stack(
     x = torch.randn(16, 64) * input_scale
     opt = torch.optim.SGD(stack.parameters(), lr=0.0)
     with normprobe.attach(stack, opt, log_dir=str(log_dir), every=1):
-        for _ in range(3):
+        for _ in range(steps):
             stack(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()

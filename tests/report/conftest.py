@@ -10,6 +10,7 @@ import pytest
 from report_runs import check_d_stack, healthy_lm
 
 import normprobe
+from normprobe.metrics import resid_cos
 
 
 @pytest.fixture(scope="session")
@@ -24,5 +25,8 @@ def report_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "healthy": healthy_lm(root / "healthy"),
             "stack_pre": check_d_stack(root / "stacks" / "pre", pre_ln=True),
             "stack_post": check_d_stack(root / "stacks" / "post", pre_ln=False),
-            "stack_large_input": check_d_stack(root / "large", pre_ln=True, input_scale=100.0),
+            # collapsed from the first logged step: judged after resid_cos.JUDGED_AFTER of them
+            "stack_large_input": check_d_stack(
+                root / "large", pre_ln=True, input_scale=100.0, steps=resid_cos.JUDGED_AFTER
+            ),
         }

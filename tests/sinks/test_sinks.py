@@ -235,13 +235,14 @@ def test_flags_text_lists_problems_then_notes(tmp_path: Path) -> None:
     import torch
 
     import normprobe
+    from normprobe.metrics import resid_cos
     from normprobe.models import ResidualStack
 
     torch.manual_seed(0)
     stack = ResidualStack(8, 16)
     opt = torch.optim.SGD(stack.parameters(), lr=0.0)
     with normprobe.attach(stack, opt, log_dir=str(tmp_path), every=1):
-        for _ in range(3):
+        for _ in range(resid_cos.JUDGED_AFTER):  # collapsed from the start: judged after those
             stack(100 * torch.randn(8, 16)).pow(2).mean().backward()
             opt.step()
     rep = normprobe.report_run(tmp_path)

@@ -378,7 +378,9 @@ def placement(run: Run, stack: str) -> str | None:
     return texts[-1][1] if texts else None
 
 
-def layer_scaled(run: Run, stack: str) -> bool:
-    """Whether every residual branch of the stack writes through a learned layer scale (CaiT's,
-    ConvNeXt's), as the probe wrote it."""
-    return bool(run.texts.get(format_tag("layer_scales", stack)))
+def branch_gains(run: Run, stack: str) -> str | None:
+    """What every residual branch of the stack writes through last when each has a learned gain
+    there (``layer scale``: CaiT's, ConvNeXt's; ``norm gain``: the norm ending it, ResNet's last
+    BatchNorm), as the probe wrote it; None when some branch has none."""
+    texts = run.texts.get(format_tag("branch_gains", stack), [])
+    return texts[-1][1] if texts else None
