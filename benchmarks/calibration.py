@@ -144,7 +144,7 @@ STATISTICS = [
     ),
     Statistic(
         "massive activations",
-        "outlier_ratio (max / median |activation|), worst block, held at the end",
+        "outlier_ratio (max / median non-negligible |activation|), worst block, held at the end",
         lambda r: _held(r, "outlier_ratio[max]"),
         f"problem > {outliers.RATIO_LIMIT:g}",
     ),

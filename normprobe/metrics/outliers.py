@@ -15,7 +15,8 @@ from .core.streams import Streams
 # trained LLMs. A tenth of that flags them while they form: a Gaussian stream of a million
 # entries reads about 8, and TinyTransformer, GPT-2 and timm's ResNet-18 at init under 7.
 # In benchmarks/calibration.py healthy runs end at 4.7-14, one given 1000x the median in one
-# channel at 670-710.
+# channel at 670-710 (measured with the median of every nonzero entry: leaving the negligible ones
+# out, `probes.NEGLIGIBLE`, moves a Gaussian stream's by about 1%).
 RATIO_LIMIT = 100.0
 
 
@@ -24,7 +25,9 @@ class Outliers(Family):
     requires = "no residual adds in a stack of blocks"
     description = (
         "per block, of the residual stream it leaves (as resid_rms reads it): the largest "
-        "|activation| over the median nonzero |activation| (massive activations), the channel "
+        "|activation| over the median non-negligible |activation| (above 1% of the 90th "
+        "percentile: a ReLU's zeros and a LeakyReLU's near-zero half left out; massive "
+        "activations), the channel "
         "holding that largest one, and the kurtosis of the channels' RMS, mean(s^4) / "
         "mean(s^2)^2 with s_j the RMS of channel j over all positions (outlier features: 1 when "
         "every channel has the same RMS, the number of channels when one holds everything); "
@@ -130,7 +133,8 @@ class Outliers(Family):
                     ratio,
                     RATIO_LIMIT,
                     f"block {first}'s stream, the first past {RATIO_LIMIT:g}, holds an activation "
-                    f"over {RATIO_LIMIT:g}x the median nonzero |activation|, in {where}{kept} "
+                    f"over {RATIO_LIMIT:g}x the median non-negligible |activation|, in "
+                    f"{where}{kept} "
                     f"({len(hits)} logged steps past it): "
                     "a few huge values kept in fixed channels, which models grow as an attention "
                     "sink or an implicit bias; they take up the range of int8/fp8 quantization, "
