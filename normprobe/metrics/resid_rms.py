@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 
 from .. import probes, tags
 from .core.base import (
@@ -41,6 +42,12 @@ GROWTH_LIMIT = 10.0
 # at most 1.4x from one block to the next; a block whose MLP output is scaled by 1e4 reads
 # 7e3, one that adds a massive activation to one channel 120-210.
 JUMP_LIMIT = 10.0
+# ... and only where that block writes more than WRITE_FACTOR times the median write of the blocks
+# after it (a write's size: the square root of the rise in the stream's mean square). A jump
+# whose block writes as the later ones do says the stream before it was small: the first blocks
+# of transformers' OLMo-2 at width 64 write 0.07-0.5 where the rest write 1-1.4, their post norms'
+# eps outweighing their branches' tiny outputs at init (12x from block 0 to 1 in a healthy run).
+WRITE_FACTOR = 3.0
 # `diagnose` checks the slope only on stacks this deep: over fewer blocks it is mostly the first
 # block's noise.
 MIN_DEPTH = 4
@@ -137,15 +144,21 @@ def _growth_flags(run: Run) -> list[Flag]:
     return found
 
 
-def _jumps(run: Run, stack: str) -> dict[int, tuple[float, tuple[int, int]]]:
-    """Per logged step: the largest ratio of a block's stream RMS to that of the block logged
-    before it, and the two blocks."""
+def _stream_rms(run: Run, stack: str) -> list[tuple[int, dict[int, float]]]:
+    """Each block's stream RMS by logged step, in block order."""
     blocks = sorted(
         (t.parsed.block, t.tag)
         for t in run.tags
         if t.parsed.series == "resid_rms" and t.stack == stack and t.parsed.block is not None
     )
-    series = [(b, dict(run.scalars[tag])) for b, tag in blocks]
+    return [(b, dict(run.scalars[tag])) for b, tag in blocks]
+
+
+def _jumps(
+    series: list[tuple[int, dict[int, float]]],
+) -> dict[int, tuple[float, tuple[int, int]]]:
+    """Per logged step: the largest ratio of a block's stream RMS to that of the block logged
+    before it, and the two blocks."""
     found: dict[int, tuple[float, tuple[int, int]]] = {}
     for (a, before), (b, after) in itertools.pairwise(series):
         for step, v in after.items():
@@ -157,15 +170,27 @@ def _jumps(run: Run, stack: str) -> dict[int, tuple[float, tuple[int, int]]]:
     return dict(sorted(found.items()))
 
 
+def _writes_more(series: list[tuple[int, dict[int, float]]], block: int, step: int) -> bool:
+    """Whether ``block`` writes more than `WRITE_FACTOR` times the median write of the blocks
+    after it at ``step`` (true when none after it was logged)."""
+    rms = [(b, values[step]) for b, values in series if math.isfinite(values.get(step, math.nan))]
+    writes = {b: math.sqrt(max(v * v - u * u, 0.0)) for (_, u), (b, v) in itertools.pairwise(rms)}
+    later = [w for b, w in writes.items() if b > block]
+    return not later or writes.get(block, 0.0) > WRITE_FACTOR * statistics.median(later)
+
+
 def _jump_flags(run: Run) -> list[Flag]:
     found = []
     for stack in sorted({t.stack for t in run.tags if t.parsed.series == "resid_rms"}):
-        jumps = _jumps(run, stack)
+        series = _stream_rms(run, stack)
+        jumps = _jumps(series)
         hits = sustained([(s, r) for s, (r, _) in jumps.items()], lambda r: r >= JUMP_LIMIT)
         if len(hits) < SUSTAIN:
             continue
         step, ratio = hits[-1]
         a, b = jumps[step][1]
+        if not _writes_more(series, b, step):
+            continue  # the stream before block b was small: no one layer's doing
         found.append(
             Flag(
                 "residual jump",
