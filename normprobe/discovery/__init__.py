@@ -25,6 +25,7 @@ from .model_map import (
     NormLayer,
     ResidualAdd,
     Stack,
+    is_bias_name,
 )
 from .ops import ADD_OPS, FIRST_ONLY_OPS, MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, WEIGHT_OPS
 from .state import preserved
@@ -54,6 +55,7 @@ __all__ = [
     "discover",
     "discover_on_carried",
     "discover_on_first_forward",
+    "is_bias_name",
     "mixes_heads",
     "preserved",
     "read_only",

@@ -299,14 +299,17 @@ class ModelMap:
             return add.scales
         norm = self.norm(add.end_norm)
         return tuple(
-            f"{norm.path}.{p}" if norm.path else p for p in norm.affine if p not in _NORM_BIASES
+            f"{norm.path}.{p}" if norm.path else p for p in norm.affine if not is_bias_name(p)
         )
 
     def __str__(self) -> str:
         return render(self)
 
 
-_NORM_BIASES = ("bias", "beta", "offset")
+def is_bias_name(name: str) -> bool:
+    """Whether a parameter of this name is an additive offset (a bias, a norm's beta)."""
+    low = name.lower()
+    return "bias" in low or low in ("beta", "shift", "offset")
 
 
 def _name(path: str | None) -> str:

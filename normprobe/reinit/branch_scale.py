@@ -13,11 +13,11 @@ from typing import Any, Literal, TypeVar, get_args
 import torch
 from torch import nn
 
-from ..discovery import ModelMap
+from ..discovery import ModelMap, is_bias_name
 from ..layers.branch_scale import BranchScale, branch_scales
 from .branches import branch_ends, channels_of, replace_module, scale_value
 from .target import Target
-from .weights import Applied, direct_params, is_bias_name, is_layer, out_dim
+from .weights import Applied, direct_params, is_layer, out_dim
 
 BranchScaleKind = Literal["rezero", "layerscale", "skipinit"]
 BRANCH_SCALES: tuple[str, ...] = get_args(BranchScaleKind)

@@ -29,12 +29,13 @@ from ..discovery import (
     ResidualAdd,
     discover,
     discover_on_carried,
+    is_bias_name,
     read_only,
     refusal,
 )
 from ..layers.branch_scale import Wrapper
 from .report import Recorder, constant
-from .weights import Applied, direct_params, is_bias_name, is_layer
+from .weights import Applied, direct_params, is_layer
 
 
 @contextmanager

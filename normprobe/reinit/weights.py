@@ -181,9 +181,3 @@ class Applied:
             path = paths[id(module)]
             found[id(value)] = (f"{path}.{name}" if path else name, sources)
         return found
-
-
-def is_bias_name(name: str) -> bool:
-    """Whether a parameter of this name is an additive offset (a bias, a norm's beta)."""
-    low = name.lower()
-    return "bias" in low or low in ("beta", "shift", "offset")

@@ -374,13 +374,17 @@ def sustained(points: Points, condition: Callable[[float], bool]) -> Points:
 
 def placement(run: Run, stack: str) -> str | None:
     """The stack's placement as the probe wrote it (``pre-ln``, ``post-ln``, ...), if it did."""
-    texts = run.texts.get(format_tag("placement", stack), [])
-    return texts[-1][1] if texts else None
+    return _last_text(run, "placement", stack)
 
 
 def branch_gains(run: Run, stack: str) -> str | None:
     """What every residual branch of the stack writes through last when each has a learned gain
     there (``layer scale``: CaiT's, ConvNeXt's; ``norm gain``: the norm ending it, ResNet's last
     BatchNorm), as the probe wrote it; None when some branch has none."""
-    texts = run.texts.get(format_tag("branch_gains", stack), [])
+    return _last_text(run, "branch_gains", stack)
+
+
+def _last_text(run: Run, series: str, stack: str) -> str | None:
+    """The last text the probe wrote under ``series`` for ``stack``, if any."""
+    texts = run.texts.get(format_tag(series, stack), [])
     return texts[-1][1] if texts else None

@@ -8,11 +8,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...discovery import is_bias_name
 from ..branches import check_skip_gains
 from ..report import constant, normal
 from ..scheme import Scheme, block_count, positive_number
 from ..target import Target
-from ..weights import is_bias_name, warn_user
+from ..weights import warn_user
 
 
 def gpt2(t: Target, *, std: Any = 0.02, n_layers: Any = None) -> None:
