@@ -39,6 +39,12 @@ from .core.grads import GradSquares, unscaled
 # layer scales of 1e-6, the last stage starts with a plain downsampling conv).
 TOP_LIMIT = 2.0
 TOP_PROBLEM = 10.0
+# ... and only in a stack whose first and last blocks hold about as many trainable parameters
+# (within SIZE_TOLERANCE; T5's first block alone holds the relative position bias, 256 of its 2M
+# weights at t5-small): a gradient norm grows with the block's size, so the ratio of blocks of
+# different widths says nothing of Pre-LN or Post-LN. timm's DaViT-tiny `stages` (stages of
+# widths 96..768) reads 11 in a healthy run.
+SIZE_TOLERANCE = 1.1
 # Pre-LN reads 0.40 at init in check [d] (each block's scale shrinks evenly with depth), and
 # its healthy runs in the calibration set end at 0.14-0.93: bottom-heavy gradients past 4x are
 # a note, never a problem.
@@ -95,6 +101,7 @@ class GradNorm(Family):
         # with their versions (None: not comparable)
         sampled_before: list[tuple[torch.Tensor | None, list[tuple[torch.Tensor, int]] | None]] = []
         warned = [False]
+        sizes = _unequal_sizes(grads, blocks)
 
         def take() -> None:
             read[0] = True
@@ -133,7 +140,7 @@ class GradNorm(Family):
             for stack, slot in slots.items():
                 squares = values.get(slot)
                 if squares is not None:
-                    _write_blocks(plan, out, stack, squares)
+                    _write_blocks(plan, out, stack, squares, sizes.pop(stack, None))
 
         plan.on_gradients(take)
         plan.before_step(at_step)
@@ -147,7 +154,9 @@ class GradNorm(Family):
             if where == "no-residual":
                 continue  # the skew of Pre-LN and Post-LN is one of residual streams
             points = run.scalars.get(tags.format("grad_ratio", stack), [])
-            flag = _skew(stack, points, where, stream=not streams or stack in streams)
+            sizes = run.texts.get(tags.format("block_params", stack), [])
+            unlike = _unlike(stack, streams, sizes[-1][1] if sizes else None)
+            flag = _skew(stack, points, where, unlike)
             if flag is not None:
                 found.append(flag)
         return found
@@ -182,19 +191,55 @@ def _write_clip_factor(
     return True
 
 
-def _write_blocks(plan: Plan, out: Out, stack: str, squares: list[float]) -> None:
-    """A stack's per-block gradient norms and its top/bottom ratio."""
+def _write_blocks(
+    plan: Plan, out: Out, stack: str, squares: list[float], sizes: tuple[int, int] | None
+) -> None:
+    """A stack's per-block gradient norms and its top/bottom ratio; ``sizes``, its first and
+    last block's parameter counts where they differ (written once: the caller passes them once)."""
     norms = {b: math.sqrt(v) for b, v in enumerate(squares)}
     out.per_block("grad_norm", stack, norms)
     first, last = norms[0], norms[len(norms) - 1]
+    name = plan.stack_name(stack)
     if first:
-        out.scalar("grad_ratio", plan.stack_name(stack), last / first)
+        out.scalar("grad_ratio", name, last / first)
+    if sizes is not None:
+        out.text("block_params", name, f"{sizes[0]} {sizes[1]}")
+
+
+def _unequal_sizes(grads: GradSquares, blocks: dict[str, slice]) -> dict[str, tuple[int, int]]:
+    """The trainable parameter counts of the first and last block of each stack whose two
+    differ by more than `SIZE_TOLERANCE`."""
+    counts = [0] * grads.blocks.count
+    for p, block in zip(grads.blocks.params, grads.blocks.param_block, strict=True):
+        if p.requires_grad:
+            counts[block] += p.numel()
+    ends = {stack: (counts[s.start], counts[s.stop - 1]) for stack, s in blocks.items()}
+    return {
+        stack: (first, last)
+        for stack, (first, last) in ends.items()
+        if max(first, last) > SIZE_TOLERANCE * min(first, last)
+    }
+
+
+def _unlike(stack: str, streams: set[str], sizes: str | None) -> str | None:
+    """Why ``stack``'s first and last gradients are not those of one residual stream's blocks
+    (``streams``: the stacks resid_rms was logged for, if any), or None when they are."""
+    if streams and stack not in streams:
+        return "its blocks share no residual stream: they may differ in width"
+    if sizes is not None:
+        first, last = (int(n) for n in sizes.split())
+        return (
+            f"its first and last blocks hold {first:,} and {last:,} trainable parameters, "
+            "and a gradient norm grows with the block's size"
+        )
+    return None
 
 
 def _skew(
-    stack: str, points: list[tuple[int, float]], where: str | None, stream: bool
+    stack: str, points: list[tuple[int, float]], where: str | None, unlike: str | None
 ) -> Flag | None:
-    """The skew flag of ``stack``'s ``grad_ratio`` points; a problem only when ``stream``."""
+    """The skew flag of ``stack``'s ``grad_ratio`` points; a problem only when the blocks are
+    alike (``unlike``: why they are not)."""
     top = sustained(points, lambda v: v >= TOP_LIMIT)
     bottom = sustained(points, lambda v: 0 < v <= BOTTOM_LIMIT)
     for hits, kind, limit in ((top, "top", TOP_LIMIT), (bottom, "bottom", BOTTOM_LIMIT)):
@@ -202,38 +247,39 @@ def _skew(
             continue
         ratio = statistics.median(v for _, v in hits)
         when = f"(median of the {len(hits)} logged steps at which it is past {limit:g})"
-        if kind == "top":
+        if unlike is not None:
+            advice = f"{unlike}, so this need not be a skew over depth"
+        elif kind == "top":
             like = ", as in Post-LN (2.35 over 48 blocks at init)" if where == "post-ln" else ""
-            if not stream:
-                like = " (its blocks share no residual stream: they may differ in width)"
-            problem = stream and len(sustained(points, lambda v: v >= TOP_PROBLEM)) >= SUSTAIN
-            return Flag(
-                "top-heavy gradients",
-                stack,
-                hits[-1][0],
-                ratio,
-                TOP_PROBLEM if problem else TOP_LIMIT,
-                f"grad_ratio (last / first block) {ratio:.3g} {when}: gradients pile up near the "
-                f"output{like}; warm the learning rate up, or re-initialize a Post-LN stack "
-                "for DeepNorm (normprobe.reinit(model, 'deepnorm'))",
-                PROBLEM if problem else NOTE,
+            advice = (
+                f"gradients pile up near the output{like}; warm the learning rate up, or "
+                "re-initialize a Post-LN stack for DeepNorm (normprobe.reinit(model, 'deepnorm'))"
             )
-        like = (
-            " (the direction of Pre-LN's skew, 2.5x over 48 blocks at init)"
-            if where == "pre-ln"
-            else ""
+        else:
+            like = (
+                " (the direction of Pre-LN's skew, 2.5x over 48 blocks at init)"
+                if where == "pre-ln"
+                else ""
+            )
+            advice = (
+                f"the first block's gradient is {1 / ratio:.3g}x the last one's{like}; deep blocks "
+                "learn slowly: scale the residual branches (normprobe.reinit(model, 'gpt2'), "
+                "normprobe.insert_branch_scale(model, 'layerscale')) or give deep blocks a larger "
+                "learning rate"
+            )
+        problem = (
+            kind == "top"
+            and unlike is None
+            and len(sustained(points, lambda v: v >= TOP_PROBLEM)) >= SUSTAIN
         )
         return Flag(
-            "bottom-heavy gradients",
+            f"{kind}-heavy gradients",
             stack,
             hits[-1][0],
             ratio,
-            BOTTOM_LIMIT,
-            f"grad_ratio (last / first block) {ratio:.3g} {when}: the first block's gradient is "
-            f"{1 / ratio:.3g}x the last one's{like}; deep blocks learn slowly: scale the residual "
-            "branches (normprobe.reinit(model, 'gpt2'), normprobe.insert_branch_scale(model, "
-            "'layerscale')) or give deep blocks a larger learning rate",
-            NOTE,
+            TOP_PROBLEM if problem else limit,
+            f"grad_ratio (last / first block) {ratio:.3g} {when}: {advice}",
+            PROBLEM if problem else NOTE,
         )
     return None
 
