@@ -65,7 +65,10 @@ def map_add(
             for q in _canonical(g, n)
         )
     )
-    gates = (o for n in w.gates if (o := g.owner[n]) is not None and o not in writers)
+    gates = tuple(
+        dict.fromkeys(o for n in w.gates if (o := g.owner[n]) is not None and o not in writers)
+    )
+    conditions = {o for n in w.conditions if (o := g.owner[n]) is not None}
     stack, block = scene.add_where[i]
     return ResidualAdd(
         module=call.path,
@@ -85,7 +88,8 @@ def map_add(
         anchor=_anchor(scene, a),
         writers=writers,
         writer_params=params,
-        gates=tuple(dict.fromkeys(gates)),
+        gates=gates,
+        condition_gates=tuple(o for o in gates if o in conditions),
         scales=scales,
         parallel=w.parallel,
         open_path=w.open_path,

@@ -168,6 +168,9 @@ class ResidualAdd:
             of fused experts that also hold ``experts.gate_up_proj``).
         gates: weight layers whose output multiplies a writer's output on its way to the add
             (a router, a sigmoid gate): they scale what is written, they do not write it.
+        condition_gates: those of ``gates`` computing their factor from no residual stream,
+            from a condition instead: adaLN-Zero's gates, from the timestep and class embedding
+            (DiT, Flux), which start at zero there.
         scales: parameters multiplied elementwise into a writer's output on its way to the add
             (a layer scale of shape (C), (C, 1, 1) or (1, 1, C)).
         parallel: the branch sums several ungated sub-branches (a parallel block).
@@ -195,6 +198,7 @@ class ResidualAdd:
     writers: tuple[str, ...] = ()
     writer_params: tuple[str, ...] = ()
     gates: tuple[str, ...] = ()
+    condition_gates: tuple[str, ...] = ()
     scales: tuple[str, ...] = ()
     parallel: bool = False
     open_path: bool = False
@@ -294,13 +298,18 @@ class ModelMap:
 
     def branch_gains(self, add: ResidualAdd) -> tuple[str, ...]:
         """The learned gains that scale what ``add``'s branch writes, last on its way to the
-        add: its layer scales, else the gain of the norm ending it (empty: none)."""
-        if add.scales or add.end_norm is None:
+        add: its layer scales (parameters), else the gain of the norm ending it (parameters),
+        else its condition gates (the layers computing them); empty: none."""
+        if add.scales:
             return add.scales
-        norm = self.norm(add.end_norm)
-        return tuple(
-            f"{norm.path}.{p}" if norm.path else p for p in norm.affine if not is_bias_name(p)
-        )
+        if add.end_norm is not None:
+            norm = self.norm(add.end_norm)
+            gains = tuple(
+                f"{norm.path}.{p}" if norm.path else p for p in norm.affine if not is_bias_name(p)
+            )
+            if gains:
+                return gains
+        return add.condition_gates
 
     def __str__(self) -> str:
         return render(self)

@@ -76,6 +76,9 @@ class Writes:
 
     writers: list[int] = field(default_factory=list)  # nodes of the last weight op on each path
     gates: list[int] = field(default_factory=list)  # weight ops on gating factors
+    # those of them on a factor computed from no residual stream: a condition's gate (the
+    # timestep and class embedding's, in adaLN-Zero)
+    conditions: list[int] = field(default_factory=list)
     scales: list[int] = field(default_factory=list)  # elementwise-parameter factors on a path
     parallel: bool = False  # several ungated sub-branches summed
     open_path: bool = False  # a path reaches the add from the stream without a weight op
@@ -151,9 +154,19 @@ def find_residual_adds(g: Graph, norm_calls: frozenset[int] = frozenset()) -> li
         by_out[out] = add
     found = sorted(found + _accept_weak(g, weak, found, norm_calls), key=lambda f: f.out)
     streams = {g.alias[n] for f in found for n in (f.stream, f.out)}
+    fed = _fed_by(g, streams)
     for add in found:
-        _describe(g, add, streams)
+        _describe(g, add, streams, fed)
     return found
+
+
+def _fed_by(g: Graph, sources: set[int]) -> set[int]:
+    """The nodes computed from any of ``sources`` (themselves included)."""
+    fed: set[int] = set()
+    for n in range(len(g)):  # inputs come first
+        if g.alias[n] in sources or any(i in fed for i in g.inputs[n]):
+            fed.add(n)
+    return fed
 
 
 def _identity_add(g: Graph, out: int, cid: int, hit: _Hit) -> FoundAdd:
@@ -372,16 +385,17 @@ def _single_child(g: Graph, nodes: set[int], cid: int) -> bool:
     return child is not None
 
 
-def _describe(g: Graph, add: FoundAdd, streams: set[int]) -> None:
+def _describe(g: Graph, add: FoundAdd, streams: set[int], fed: set[int]) -> None:
     """Fill in the add's weight layers (execution order) and what its branches write;
-    ``streams`` are the residual streams (roots of skips and sums), where a gate's walk ends."""
+    ``streams`` are the residual streams (roots of skips and sums), where a gate's walk ends,
+    ``fed`` the nodes computed from them."""
     layers: dict[str, None] = {}
     for n in sorted(add.region):
         owner = g.owner[n]
         if g.weight[n] and owner is not None:
             layers[owner] = None
     add.layers = tuple(layers)
-    add.writes = _Walk(g, add, streams).run()
+    add.writes = _Walk(g, add, streams, fed).run()
     # a branch without a weight is all open path (the walk may stop at complex values: FNet)
     add.writes.open_path |= not any(g.weight[n] for n in add.region)
 
@@ -391,10 +405,11 @@ class _Walk:
     path goes on outside the branch (adaLN-Zero computes every gate of a block before its first
     add) until a weight op or a residual stream."""
 
-    def __init__(self, g: Graph, add: FoundAdd, streams: set[int]) -> None:
+    def __init__(self, g: Graph, add: FoundAdd, streams: set[int], fed: set[int]) -> None:
         self.g = g
         self.add = add
         self.streams = streams
+        self.fed = fed
         self.writes = Writes()
         self.seen: dict[tuple[int, str], set[int]] = {}
         root = g.alias[add.stream]
@@ -409,6 +424,7 @@ class _Walk:
         w.parallel = w.parallel or sum(bool(u) for u in ungated) >= 2
         w.writers = sorted(set(w.writers))
         w.gates = sorted(set(w.gates) - set(w.writers))
+        w.conditions = sorted(set(w.conditions) & set(w.gates))
         w.scales = sorted(set(w.scales))
         return w
 
@@ -446,7 +462,10 @@ class _Walk:
             gate = self._gate_side(n, acts)
             for i in acts:
                 side = "gate" if i == gate else ("gated" if gate is not None else mode)
+                before = len(w.gates)
                 found |= self.visit(i, side)
+                if i == gate and i not in self.fed:
+                    w.conditions += w.gates[before:]
         elif g.op[n] in ADD_OPS and len(acts) == 2 and mode != "gate":
             sides = [self.visit(i, mode) for i in acts]
             if sum(bool(s) for s in sides) >= 2:

@@ -106,7 +106,8 @@ class ResidCos(Family):
             receding = growth >= RECEDING
             # every branch behind a learned gain that may start small or at zero (CaiT's layer
             # scales of 1e-5, the last BatchNorm's gamma of timm's ResNets and RegNets, SwinV2-CR's
-            # post norms): collapsed by design until the gains grow, a note from the first step
+            # post norms, the adaLN-Zero gates of DiT and Flux): collapsed by design until the
+            # gains grow, a note from the first step
             # (timm's CaiT-XXS24 reads 0.99999 at first; its turn grows 1.25x only after tens of
             # healthy steps). Gains near 1 hardly collapse such a stack: each block writes at the
             # scale of its gain, which a stream of sqrt(l) such writes dwarfs past 0.999 only some
@@ -141,7 +142,10 @@ def _advice(where: str | None, growth: float, gains: str | None, young: bool) ->
             "that start small (layer scales) are growing; watch that it keeps growing"
         )
     if gains is not None:
-        what = "the gain of the norm ending it" if gains == "norm gain" else f"a learned {gains}"
+        what = {
+            "norm gain": "the gain of the norm ending it",
+            "condition gate": "a gate computed from the condition (adaLN-Zero's)",
+        }.get(gains, f"a learned {gains}")
         return (
             f" yet: every branch writes through {what}, which may start small or at zero by "
             "design; watch that their turn (1 - cosine) grows as the gains do (if it stays "

@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import probes, tags
 from ..common import is_writer, spread
-from ..discovery import Attention, DiscoveryWarning, ModelMap, NormLayer, Stack
+from ..discovery import Attention, DiscoveryWarning, ModelMap, NormLayer, ResidualAdd, Stack
 from ..metrics.core.base import (
     AttentionReader,
     Family,
@@ -290,12 +290,13 @@ class ProbePlan:
 
     def _branch_gains(self, stack: str) -> str | None:
         """What every branch of ``stack`` writes through last, when each has a learned gain
-        there (``layer scale``, ``norm gain`` or both), else None."""
+        there (``layer scale``, ``norm gain``, ``condition gate``, or several joined by
+        ``and``), else None."""
         adds = self.model_map.adds_in(stack)
-        if not adds or not all(self.model_map.branch_gains(a) for a in adds):
+        kinds = {_gain_kind(self.model_map, a) for a in adds}
+        if not adds or None in kinds:
             return None
-        kinds = {"layer scale" if a.scales else "norm gain" for a in adds}
-        return " and ".join(sorted(kinds))
+        return " and ".join(sorted(k for k in kinds if k is not None))
 
     def warn_missing(self, every_family: bool) -> None:
         """Warn (on the writing rank) about chosen families that found nothing to read; of
@@ -376,6 +377,17 @@ class RecordOut:
 
     def vector(self, series: str, subject: str, values: Sequence[float]) -> None:
         self.record.profiles[f"{tags.PREFIX}/{series}/{subject}"] = list(values)
+
+
+def _gain_kind(model_map: ModelMap, add: ResidualAdd) -> str | None:
+    """The kind of learned gain ``add``'s branch writes through last (`ModelMap.branch_gains`),
+    or None."""
+    gains = model_map.branch_gains(add)
+    if not gains:
+        return None
+    if add.scales:
+        return "layer scale"
+    return "condition gate" if gains == add.condition_gates else "norm gain"
 
 
 def _unwrapped(path: str) -> str:

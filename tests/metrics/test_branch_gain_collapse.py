@@ -13,10 +13,12 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from conditioned import TinyDiT
 from tb import read_texts
 
 import normprobe
 from normprobe import tags
+from normprobe.metrics import resid_cos
 from normprobe.models import ResidualStack, TinyTransformer
 
 
@@ -127,3 +129,66 @@ def test_the_norm_ending_a_branch_is_its_end_norm_and_its_weight_the_gain() -> N
     assert m.branch_gains(m.residual_adds[0]) == ("blocks.0.ln_1_post.weight",)
     pre = normprobe.discover(TinyTransformer(width=16, depth=2), torch.randint(0, 96, (2, 8)))
     assert all(a.end_norm is None and not pre.branch_gains(a) for a in pre.residual_adds)
+
+
+def test_a_stack_gated_by_its_condition_collapses_as_a_note(tmp_path: Path) -> None:
+    """A DiT whose adaLN-Zero gates start at zero (Peebles & Xie 2023): each block writes 0 at
+    init, so consecutive streams are equal (cosine 1) and stay past 0.999 while the gates grow.
+    Past `JUDGED_AFTER` logged steps the collapse is still a note, worded for those gates."""
+    torch.manual_seed(0)
+    model = TinyDiT(width=16, depth=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, label = torch.randn(8, 6, 4), torch.randint(0, 10, (8,))
+    target = torch.randn(8, 6, 4)
+    steps = resid_cos.JUDGED_AFTER + 2
+    with normprobe.attach(model, opt, log_dir=str(tmp_path), every=1):
+        for _ in range(steps):
+            F.mse_loss(model(x, label), target).backward()
+            opt.step()
+            opt.zero_grad()
+    texts = read_texts(str(tmp_path))
+    assert texts[tags.format("branch_gains", "blocks") + "/text_summary"] == [(0, "condition gate")]
+    rep = normprobe.report_run(str(tmp_path))
+    assert rep.row("blocks", "resid_cos[deep]").first == 1.0  # nothing written at step 0
+    (collapse,) = [f for f in rep.flags if f.kind == "representation collapse"]
+    assert collapse.severity == "note" and collapse.value > resid_cos.COLLAPSE_COS
+
+
+def test_flux_single_blocks_behind_small_condition_gates_collapse_as_a_note(
+    tmp_path: Path,
+) -> None:
+    """diffusers' Flux at default init: each single block's gate, a linear map of the timestep
+    and text embedding, reads about 0.1, its write 3% of the stream's RMS; the four single
+    blocks stay past 0.999 through a healthy run's first steps, the turn flat."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=4, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch, tokens = 4, 64
+    latents, text = torch.randn(batch, tokens, 16), torch.randn(batch, 7, 32)
+    pooled = torch.randn(batch, 32)
+    ids = {"img_ids": torch.zeros(tokens, 3), "txt_ids": torch.zeros(7, 3)}
+    with normprobe.attach(model, opt, log_dir=str(tmp_path), every=1):
+        for _ in range(resid_cos.JUDGED_AFTER + 2):
+            t = torch.rand(batch)
+            noise = torch.randn_like(latents)
+            noisy = (1 - t.view(-1, 1, 1)) * latents + t.view(-1, 1, 1) * noise
+            out = model(
+                noisy, encoder_hidden_states=text, pooled_projections=pooled, timestep=t, **ids
+            )
+            F.mse_loss(out.sample, noise - latents).backward()
+            opt.step()
+            opt.zero_grad()
+    texts = read_texts(str(tmp_path))
+    stack = "single_transformer_blocks"
+    assert texts[tags.format("branch_gains", stack) + "/text_summary"] == [(0, "condition gate")]
+    rep = normprobe.report_run(str(tmp_path))
+    (collapse,) = [f for f in rep.flags if f.kind == "representation collapse"]
+    assert collapse.stack == stack and collapse.value > resid_cos.COLLAPSE_COS
+    assert collapse.severity == "note"
+    assert "a gate computed from the condition (adaLN-Zero's)" in collapse.message
