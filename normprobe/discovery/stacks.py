@@ -100,10 +100,20 @@ def skipped_blocks(candidates: list[FoundStack], g: Graph) -> list[str]:
     """The blocks of containers of one class that did not run while others of theirs did, in
     a chain when more than one did (experts a router passed over run side by side)."""
     first_call = g.first_calls()
+    # containers never called themselves (x-transformers' blocks, lists of sublayers that the
+    # parent runs): a block ran when a module inside it did
+    inside = {
+        path.rsplit(".", depth)[0] for path in first_call for depth in range(1, path.count(".") + 1)
+    }
     skipped = []
     for cand in candidates:
         ran = sorted(first_call[b] for b in cand.blocks if b in first_call)
-        if not cand.generic or not ran or len(ran) == len(cand.blocks):
+        if not ran:
+            entered = [b for b in cand.blocks if b in inside]
+            if entered and len(entered) < len(cand.blocks):
+                skipped += [b for b in cand.blocks if b not in inside]
+            continue
+        if not cand.generic or len(ran) == len(cand.blocks):
             continue
         if _chained(g, ran):
             skipped += [b for b in cand.blocks if b not in first_call]

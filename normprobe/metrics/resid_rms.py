@@ -36,6 +36,14 @@ GROWTH_MIN = 3.0
 # 10 within 60 AdamW steps and trains as well as its Post-LN twin; the calibration set's healthy
 # runs pass 9.6 in their first steps); a single layer's growth is `JUMP_LIMIT`'s problem.
 GROWTH_LIMIT = 10.0
+# ... but a problem where the stream compounds: multiplied by at least COMPOUND_LIMIT at the
+# typical block (the median over consecutive logged blocks of their RMS ratio, taken per block),
+# in a stack of like blocks (grad_norm wrote no `block_params` for it) growing past GROWTH_LIMIT.
+# Pre-LN's sqrt(l) growth multiplies the stream by at most 1.41 from one block to the next, and
+# the calibration set's healthy runs end at most 1.4x; x-transformers 2.31.10's hyper-connections
+# (num_residual_streams=4), whose stream-mixing matrix degenerates to all ones, sum the four
+# streams at every sublayer: 16x a block, 4e3 over 4 blocks at init.
+COMPOUND_LIMIT = 2.0
 # Residual jump, a problem: a block whose stream's RMS is this many times the previous block's.
 # One layer writes far more than the others (a layer scaled up, a branch that blew up), and the
 # stack's growth is that layer's, not depth's. In benchmarks/calibration.py healthy runs end
@@ -118,6 +126,10 @@ def _growth_flags(run: Run) -> list[Flag]:
         if len(hits) < SUSTAIN:
             continue
         step, g = hits[-1]
+        compounding = _compounding(run, stack, growth)
+        if compounding:
+            found.append(_compounding_flag(stack, compounding))
+            continue
         s = slopes.get(step, math.nan)
         if g >= GROWTH_LIMIT:
             why = f"resid_growth {g:.3g} >= {GROWTH_LIMIT:g}"
@@ -142,6 +154,44 @@ def _growth_flags(run: Run) -> list[Flag]:
             )
         )
     return found
+
+
+def _compounding(run: Run, stack: str, growth: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The logged steps (sustained to the end) at which ``stack``'s stream grows past
+    `GROWTH_LIMIT` while compounding, with the typical block's factor; empty when it does not,
+    or when its blocks differ in size."""
+    if run.texts.get(tags.format("block_params", stack)):
+        return []
+    series = _stream_rms(run, stack)
+    factors = [(s, _block_factor(series, s) if g >= GROWTH_LIMIT else 0.0) for s, g in growth]
+    hits = sustained(factors, lambda f: f >= COMPOUND_LIMIT)
+    return hits if len(hits) >= SUSTAIN else []
+
+
+def _block_factor(series: list[tuple[int, dict[int, float]]], step: int) -> float:
+    """The median over consecutive logged blocks of their stream RMS ratio at ``step``, per
+    block between them (NaN under three blocks logged)."""
+    rms = [(b, v) for b, values in series if (v := values.get(step, math.nan)) > 0]
+    factors = [(v / u) ** (1 / (b - a)) for (a, u), (b, v) in itertools.pairwise(rms)]
+    factors = [f for f in factors if math.isfinite(f)]
+    return statistics.median(factors) if len(factors) >= 2 else math.nan
+
+
+def _compounding_flag(stack: str, hits: list[tuple[int, float]]) -> Flag:
+    step, factor = hits[-1]
+    return Flag(
+        "residual growth",
+        stack,
+        step,
+        factor,
+        COMPOUND_LIMIT,
+        f"the residual stream is multiplied by {factor:.3g} at the typical block (median over "
+        f"the stack, >= {COMPOUND_LIMIT:g} with its growth past {GROWTH_LIMIT:g} at "
+        f"{len(hits)} logged steps): it compounds, where Pre-LN's sqrt(l) growth adds; look at "
+        "what the skip path does to the stream (a skip scaled above 1, streams summed rather "
+        "than mixed) before the branches' scale",
+        PROBLEM,
+    )
 
 
 def _stream_rms(run: Run, stack: str) -> list[tuple[int, dict[int, float]]]:

@@ -5,6 +5,7 @@ keep their place in their stack."""
 from __future__ import annotations
 
 import math
+import random
 import warnings
 from collections import Counter
 
@@ -119,6 +120,24 @@ def test_layerdrop_in_wav2vec2_loses_no_block() -> None:
         layers = m.stack("wav2vec2.encoder.layers")
         assert layers.blocks == tuple(f"wav2vec2.encoder.layers.{i}" for i in range(4))
         assert len(m.adds_in("wav2vec2.encoder.layers")) == 8  # attention and feed-forward
+
+
+def test_layer_dropout_skipping_a_container_block_loses_no_block() -> None:
+    """x-transformers keeps each sublayer in a ModuleList of (norms, branch, residual) that its
+    parent iterates (never calls) and skips whole entries under ``layer_dropout`` in training:
+    the entries of a skipped one are not called at all."""
+    from x_transformers import Decoder, TransformerWrapper
+
+    torch.manual_seed(0)
+    layers = Decoder(dim=16, depth=4, heads=2, layer_dropout=0.3)
+    model = TransformerWrapper(num_tokens=32, max_seq_len=16, attn_layers=layers).train()
+    x = torch.randint(0, 32, (2, 8))
+    for seed in range(4):  # seeds 0..3 skip one to three of the eight entries
+        random.seed(seed)
+        m = normprobe.discover(model, x)
+        assert [(s.path, s.depth) for s in m.stacks] == [("attn_layers.layers", 4)]
+        assert len(m.adds_in("attn_layers.layers")) == 8
+    assert model.training
 
 
 def _pegasus() -> nn.Module:
