@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from .attention import logit_nodes
 from .graph import Graph
 from .ops import ADD_OPS, SCALE_OPS
+from .projection import find_projection, reads_input
 
 # Ops taking part of a tensor: a skip read through one still reads the tensor's stream.
 SLICE_OPS = frozenset({"__getitem__", "narrow"})
@@ -141,7 +142,7 @@ def find_residual_adds(g: Graph, norm_calls: frozenset[int] = frozenset()) -> li
         if hit is not None:
             add = _identity_add(g, out, cid, hit)
         else:
-            proj = _projection(g, a, b, cid)
+            proj = find_projection(g, a, b, cid)
             if proj is None:
                 if hits:
                     weak.append((out, cid, max(hits, key=lambda h: h.weighted)))
@@ -212,7 +213,7 @@ def _accept_weak(
                 not hit.guarded
                 or feeds
                 or g.alias[hit.stream] in sums
-                or _reads_input(g, hit.stream, g.calls[cid].first_node - 1)
+                or reads_input(g, hit.stream, g.calls[cid].first_node - 1)
             )
             branch_ok = hit.weighted or feeds or _holds_norm(g, hit.region, cid, norm_calls)
             if skip_ok and branch_ok:
@@ -317,72 +318,6 @@ def _skip_path(g: Graph, skip: int, reached: set[int]) -> tuple[float, list[int]
             gains.append(n)
         n = source
     return factor, gains
-
-
-def _projection(g: Graph, a: int, b: int, cid: int) -> tuple[int, int, set[int], int] | None:
-    floor = g.calls[cid].first_node - 1
-    reg_a, front_a = g.region(a, floor)
-    reg_b, front_b = g.region(b, floor)
-    shared = (reg_a | front_a) & (reg_b | front_b)
-    if not shared:
-        return None
-    only_a = reg_a - reg_b
-    only_b = reg_b - reg_a
-    if not any(g.weight[n] for n in only_a) or not any(g.weight[n] for n in only_b):
-        return None
-    # The shortcut is one child module (the downsample) with one weight op, and the branch is
-    # deeper; parallel branches (experts, GPT-NeoX's attn_out + mlp_out, a shared expert
-    # beside routed ones) are not a skip.
-    fork = max(shared)
-    if not _reads_input(g, fork, floor):  # EfficientFormerV2's `attn @ v + conv(v)`
-        return None
-    depth_a, depth_b = _depth(g, only_a), _depth(g, only_b)
-    if depth_a == 1 < depth_b and _single_child(g, only_a, cid):
-        return a, b, only_b, fork
-    if depth_b == 1 < depth_a and _single_child(g, only_b, cid):
-        return b, a, only_a, fork
-    return None
-
-
-def _reads_input(g: Graph, node: int, floor: int) -> bool:
-    """Whether ``node`` is an input of the call (made before ``floor``) or made from one
-    without a weight op (a norm, a view): the stream, not a value the call computed."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n <= floor:
-            return True
-        if n in seen or g.weight[n]:
-            continue
-        seen.add(n)
-        todo.extend(g.inputs[n])
-    return False
-
-
-def _depth(g: Graph, region: set[int]) -> int:
-    """The most weight ops on one dataflow path through ``region``."""
-    depth: dict[int, int] = {}
-    for n in sorted(region):
-        here = int(bool(g.weight[n]))
-        depth[n] = here + max((depth.get(i, 0) for i in g.inputs[n]), default=0)
-    return max(depth.values(), default=0)
-
-
-def _single_child(g: Graph, nodes: set[int], cid: int) -> bool:
-    """Whether the weight ops among ``nodes`` were computed inside one direct child call of
-    call ``cid`` (views and pooling around it may be the call's own: Hiera's shortcut is a
-    projection, then a max over the pooled positions)."""
-    child = None
-    for n in nodes:
-        if not g.weight[n]:
-            continue
-        c = g.call[n]
-        while c is not None and g.calls[c].parent != cid:
-            c = g.calls[c].parent
-        if c is None or (child is not None and c != child):
-            return False
-        child = c
-    return child is not None
 
 
 def _describe(g: Graph, add: FoundAdd, streams: set[int], fed: set[int]) -> None:

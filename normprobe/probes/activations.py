@@ -126,29 +126,50 @@ def batchnorm_stats(
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
+    init_share: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """How far a batch is from a BatchNorm's running statistics, and what that does.
 
-    Returns float32 (mean_drift, var_drift, train_eval_gap):
+    Returns float32 (mean_drift, var_drift, train_eval_gap, settled_mean_drift,
+    settled_var_drift):
 
     * mean_drift: mean over channels of |mu_batch - mu_run| / sqrt(var_run + eps);
     * var_drift: mean over channels of |log((var_batch + eps) / (var_run + eps))|;
     * train_eval_gap: RMS(y_train - y_eval) / RMS(y_train), where y_train normalizes the batch
-      with its own statistics (train mode) and y_eval with the running ones (eval mode).
+      with its own statistics (train mode) and y_eval with the running ones (eval mode);
+    * the two drifts again against the running statistics with their initial values (mean 0,
+      variance 1) discounted, as Adam corrects its moments' bias: ``init_share`` is the weight
+      those values still hold, ``(1 - momentum) ** num_batches_tracked`` (None or 1: none).
     """
     xf = x.detach().float()
     dims = [d for d in range(xf.ndim) if d != 1]
     mean_b = xf.mean(dim=dims)
     var_b = xf.var(dim=dims, unbiased=False)
     mean_r, var_r = running_mean.detach().float(), running_var.detach().float()
-    mean_drift = ((mean_b - mean_r).abs() / (var_r + eps).sqrt()).mean()
-    var_drift = ((var_b + eps) / (var_r + eps)).log().abs().mean()
+    drifts = _drifts(mean_b, var_b, mean_r, var_r, eps)
+    settled = drifts
+    if init_share is not None:
+        kept = 1 - init_share.float()
+        known = kept > 1e-3  # the running statistics hold some batch
+        denom = torch.where(known, kept, torch.ones_like(kept))
+        mean_s = torch.where(known, mean_r / denom, mean_r)
+        var_s = torch.where(known, (var_r - init_share.float()) / denom, var_r).clamp_min(0.0)
+        settled = _drifts(mean_b, var_b, mean_s, var_s, eps)
     w = None if weight is None else weight.detach().float()
     b = None if bias is None else bias.detach().float()
     y_train = F.batch_norm(xf, None, None, w, b, training=True, eps=eps)
     y_eval = F.batch_norm(xf, mean_r, var_r, w, b, training=False, eps=eps)
     gap = rms(y_train - y_eval) / rms(y_train).clamp_min(1e-30)
-    return torch.stack([mean_drift, var_drift, gap])
+    return torch.stack([*drifts, gap, *settled])
+
+
+def _drifts(
+    mean_b: torch.Tensor, var_b: torch.Tensor, mean_r: torch.Tensor, var_r: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean drift, var drift) of batch statistics against running ones (`batchnorm_stats`)."""
+    mean_drift = ((mean_b - mean_r).abs() / (var_r + eps).sqrt()).mean()
+    var_drift = ((var_b + eps) / (var_r + eps)).log().abs().mean()
+    return mean_drift, var_drift
 
 
 def gain_stats(weight: torch.Tensor, offset: float | torch.Tensor = 0.0) -> torch.Tensor:

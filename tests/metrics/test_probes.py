@@ -238,13 +238,42 @@ def test_abs_max_in_float32() -> None:
 def test_batchnorm_stats_by_hand() -> None:
     # One channel, batch values 1 and 3: batch mean 2, variance 1. Running mean 0, variance 4.
     x = torch.tensor([[1.0], [3.0]])
-    mean_drift, var_drift, gap = probes.batchnorm_stats(
+    mean_drift, var_drift, gap, settled_mean, settled_var = probes.batchnorm_stats(
         x, torch.zeros(1), torch.full((1,), 4.0), None, None, eps=1e-12
     ).tolist()
     assert mean_drift == pytest.approx(2 / 2)  # |2 - 0| / sqrt(4)
     assert var_drift == pytest.approx(math.log(4.0))  # |log(1 / 4)|
     # train: (x - 2) / 1 = [-1, 1]; eval: x / 2 = [0.5, 1.5]; difference [-1.5, -0.5]
     assert gap == pytest.approx(math.sqrt((2.25 + 0.25) / 2) / 1.0)
+    assert (settled_mean, settled_var) == (mean_drift, var_drift)  # no initial share given
+
+
+def test_batchnorm_settled_drift_discounts_the_initial_statistics() -> None:
+    # Running mean 1.2, variance 2.8 after updates that left the initial (0, 1) a weight of 0.4:
+    # the batches' own share (0.6) averages to mean 1.2 / 0.6 = 2 and variance
+    # (2.8 - 0.4) / 0.6 = 4; a batch of mean 2 and variance 4 sits on them exactly.
+    x = torch.tensor([[0.0], [4.0]])
+    stats = probes.batchnorm_stats(
+        x, torch.full((1,), 1.2), torch.full((1,), 2.8), None, None, 1e-12, torch.tensor(0.4)
+    ).tolist()
+    assert stats[0] == pytest.approx(0.8 / math.sqrt(2.8))  # raw: |2 - 1.2| / sqrt(2.8)
+    assert stats[1] == pytest.approx(math.log(4 / 2.8))
+    assert stats[3:] == pytest.approx([0.0, 0.0], abs=1e-6)
+    # the module's own updates: momentum 0.1 from (0, 1), three batches of mean 5, variance 9
+    bn = nn.BatchNorm1d(1)
+    batch = torch.tensor([[2.0], [8.0]])  # mean 5, biased variance 9 (unbiased 18)
+    for _ in range(3):
+        bn(batch)
+    share = (1 - 0.1) ** bn.num_batches_tracked.float()
+    stats = probes.batchnorm_stats(
+        batch, bn.running_mean, bn.running_var, None, None, bn.eps, share
+    ).tolist()
+    kept = 1 - 0.9**3  # the batches' share of the running statistics
+    running_var = 0.9**3 + kept * 18
+    assert stats[0] == pytest.approx((5 - kept * 5) / math.sqrt(running_var), rel=1e-4)
+    assert stats[1] == pytest.approx(math.log(9 / running_var), rel=1e-4)
+    assert stats[3] == pytest.approx(0.0, abs=1e-5)
+    assert stats[4] == pytest.approx(math.log(2), abs=1e-5)  # BatchNorm keeps the unbiased 18
 
 
 def test_batchnorm_train_eval_gap_matches_the_module() -> None:
