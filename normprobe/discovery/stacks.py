@@ -98,7 +98,9 @@ def structural_stacks(model: nn.Module) -> list[FoundStack]:
 
 def skipped_blocks(candidates: list[FoundStack], g: Graph) -> list[str]:
     """The blocks of containers of one class that did not run while others of theirs did, in
-    a chain when more than one did (experts a router passed over run side by side)."""
+    a chain when more than one did (experts a router passed over run side by side); and of any
+    container whose blocks are never called themselves, those inside which no module ran while
+    one did inside others (LayerDrop over x-transformers' lists of sublayers)."""
     first_call = g.first_calls()
     # containers never called themselves (x-transformers' blocks, lists of sublayers that the
     # parent runs): a block ran when a module inside it did

@@ -62,7 +62,9 @@ class BnStats(Family):
     optional = True
     description = (
         "per BatchNorm: how far the batch's mean and variance are from the running ones "
-        "(normalized), and the train-vs-eval output gap on the logged batch"
+        "(normalized), the train-vs-eval output gap on the logged batch, and the settled "
+        "drift: the worse drift over its limit against the running statistics with their "
+        "initial mean 0 and variance 1 discounted"
     )
     series = tuple(
         Series(prefix + stat, "module", "max")
