@@ -356,11 +356,28 @@ def _entries(
 
 
 def _units(entries: list[nn.Module]) -> int:
-    """The length of the shortest repeating pattern of the entries' structure."""
+    """The length of the shortest repeating pattern of the entries' structure; else of their
+    classes and their children's classes, where at least two units after the first repeat
+    their structure (the first unit may hold more deeper inside: x-transformers' first
+    attention makes the value residual the later ones read)."""
     signatures = [_signature(e) for e in entries]
     n = len(signatures)
-    return next(
+    exact = next(
         p for p in range(1, n + 1) if n % p == 0 and signatures == signatures[:p] * (n // p)
+    )
+    if exact < n:
+        return exact
+    # each entry's class and its children's: the first unit's must be the others'
+    shallow = [(type(e), tuple(type(c) for c in e.children())) for e in entries]
+    return next(
+        (
+            p
+            for p in range(1, n // 3 + 1)
+            if n % p == 0
+            and shallow == shallow[:p] * (n // p)
+            and signatures[p:] == signatures[p : 2 * p] * (n // p - 1)
+        ),
+        n,
     )
 
 

@@ -208,3 +208,29 @@ def test_gpt2_keeps_a_vector_that_is_no_bias_and_zeroes_every_bias() -> None:
     assert not layer.gate_bias.any()
     # the one block's writer: N = 1
     assert abs(layer.weight.std().item() / (0.02 / math.sqrt(2)) - 1) < 0.1
+
+
+@pytest.mark.parametrize("coef", [0, 2])
+def test_a_first_unit_holding_more_inside_is_still_grouped(coef: int) -> None:
+    """x-transformers' ``add_value_residual``: the first attention makes the values the later
+    ones mix in, so its entry's structure differs inside while the entries' classes and their
+    children's repeat (attention, feed-forward) x 4. ``sandwich_coef=2`` orders the sublayers
+    a a a f a f f f: no unit repeats, no stack (a doubt instead)."""
+    from x_transformers import Decoder, TransformerWrapper
+
+    torch.manual_seed(0)
+    sandwich = {"sandwich_coef": coef} if coef else {}
+    layers = Decoder(dim=16, depth=4, heads=2, add_value_residual=True, **sandwich)
+    model = TransformerWrapper(num_tokens=32, max_seq_len=16, attn_layers=layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", normprobe.DiscoveryWarning)
+        m = normprobe.discover(model, torch.randint(0, 32, (2, 8)))
+    if coef:
+        assert not m.stacks and "no-stack" in {d.kind for d in m.doubts}
+        return
+    (stack,) = m.stacks
+    assert stack.path == "attn_layers.layers" and stack.depth == 4
+    assert stack.members == tuple(
+        (f"attn_layers.layers.{2 * i}", f"attn_layers.layers.{2 * i + 1}") for i in range(4)
+    )
+    assert [a.block for a in m.adds_in("attn_layers.layers")] == [0, 0, 1, 1, 2, 2, 3, 3]
