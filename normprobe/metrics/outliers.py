@@ -136,12 +136,8 @@ class Outliers(Family):
                     f"over {RATIO_LIMIT:g}x the median non-negligible |activation|, in "
                     f"{where}{kept} "
                     f"({len(hits)} logged steps past it): "
-                    "a few huge values kept in fixed channels, which models grow as an attention "
-                    "sink or an implicit bias; they take up the range of int8/fp8 quantization, "
-                    "leaving every other value little precision. Give attention an explicit sink "
-                    "or bias (a learned sink token, attention biases), normalize queries and keys "
-                    "(QK-norm), or lower the learning rate; `normprobe report RUN_DIR --png "
-                    "depth.png` draws outlier_ratio and outlier_channel over the blocks",
+                    f"{_advice(run, stack)}; `normprobe report RUN_DIR --png depth.png` draws "
+                    "outlier_ratio and outlier_channel over the blocks",
                     PROBLEM,
                 )
             )
@@ -167,3 +163,22 @@ def _channel(run: Run, stack: str, block: int, step: int) -> int | None:
             value = dict(run.scalars[t.tag]).get(step)
             return None if value is None or not math.isfinite(value) else int(value)
     return None
+
+
+def _advice(run: Run, stack: str) -> str:
+    """What massive activations are and the way out, for a stack with attention (whose logits
+    were logged) or without."""
+    if any(t.parsed.series == "attn_logit_max" and t.stack == stack for t in run.tags):
+        return (
+            "a few huge values kept in fixed channels, which models grow as an attention sink "
+            "or an implicit bias; they take up the range of int8/fp8 quantization, leaving every "
+            "other value little precision. Give attention an explicit sink or bias (a learned "
+            "sink token, attention biases), normalize queries and keys (QK-norm), or lower the "
+            "learning rate"
+        )
+    return (
+        "a few huge values kept in fixed channels, an implicit bias; they take up the range of "
+        "int8/fp8 quantization, leaving every other value little precision. Look at what "
+        "writes that channel (a bias, a gate, a global-context or squeeze-excitation term), or "
+        "lower the learning rate"
+    )

@@ -233,14 +233,14 @@ def test_healthy_models_at_init_stay_below_the_flag(build: str) -> None:
     assert len(kurtoses) == len(ratios) and all(k >= 1.0 for k in kurtoses)
 
 
-def _train(log_dir: Path, inject: bool) -> Path:
+def _train(log_dir: Path, inject: bool, metrics: tuple[str, ...] = ("outliers",)) -> Path:
     torch.manual_seed(0)
     model = TinyTransformer(depth=4, width=32, context=16)
     if inject:
         _inject(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with normprobe.attach(
-        model, optimizer=opt, log_dir=str(log_dir), every=1, metrics=["outliers"]
+        model, optimizer=opt, log_dir=str(log_dir), every=1, metrics=list(metrics)
     ):
         for _ in range(3):
             x = torch.randint(0, 96, (4, 16))
@@ -257,6 +257,11 @@ def test_report_flags_massive_activations_naming_block_and_channel(tmp_path: Pat
     assert flag.value > RATIO_LIMIT
     assert f"block {BLOCK}'s stream" in flag.message and f"channel {CHANNEL}" in flag.message
     assert report.row("blocks", "outlier_ratio[max]").values[-1] == pytest.approx(flag.value)
+    # no attention logged for the stack: the advice names no attention sink
+    assert "what writes that channel" in flag.message and "sink" not in flag.message
+    with_attention = _train(tmp_path / "attn", inject=True, metrics=("outliers", "attn_logits"))
+    (flag,) = [f for f in normprobe.report_run(with_attention).flags if f.kind == flag.kind]
+    assert "explicit sink" in flag.message and "QK-norm" in flag.message
 
     healthy = normprobe.report_run(_train(tmp_path / "good", inject=False))
     assert healthy.row("blocks", "outlier_ratio[max]").max < RATIO_LIMIT / 10
