@@ -92,7 +92,11 @@ def _head(scene: Scene) -> str | None:
     for _ in range(16):
         owner = g.owner[node]
         if g.uses_param[node]:
-            return owner if owner in scene.weight_layers else None
+            # read at the module's output only when its own forward applied the weight: a tied
+            # embedding applied by the parent (`x @ emb.weight.T`) returns the lookup instead
+            cid = g.call[node]
+            inside = cid is not None and _within(g.calls[cid].path, owner)
+            return owner if owner in scene.weight_layers and inside else None
         inputs = set(g.inputs[node])
         parents = {p for i in inputs for p in g.inputs[i]}
         if len(inputs) > 1 and len(parents) == 1 and all(len(g.inputs[i]) == 1 for i in inputs):
@@ -101,6 +105,11 @@ def _head(scene: Scene) -> str | None:
             return None
         node = inputs.pop()
     return None
+
+
+def _within(path: str, module: str | None) -> bool:
+    """Whether ``path`` is ``module`` or a module inside it."""
+    return module is not None and (path == module or path.startswith(module + "."))
 
 
 def _warn(model: nn.Module, m: ModelMap) -> None:
