@@ -16,22 +16,13 @@ from torch import nn
 import normprobe
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc(self.norm(x))
-
-
 class TiedLM(nn.Module):
     def __init__(self, tied: bool, vocab: int = 50, width: int = 16) -> None:
         super().__init__()
         self.tied = tied
         self.emb = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(3))
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(3))
+        self.fcs = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
         self.norm = nn.LayerNorm(width)
         self.out = nn.Linear(width, vocab, bias=False)
         if tied:
@@ -39,8 +30,8 @@ class TiedLM(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
-        for block in self.blocks:
-            x = block(x)
+        for norm, fc in zip(self.norms, self.fcs, strict=True):
+            x = x + fc(norm(x))
         x = self.norm(x)
         return x @ self.emb.weight.T if self.tied else self.out(x)
 
