@@ -17,7 +17,7 @@ from .model_map import Attention, ModelMap, NormLayer, ResidualAdd
 from .norm_finding import find_norms
 from .residual import find_residual_adds
 from .roles import AddNorms, norm_roles
-from .scene import Scene
+from .scene import Scene, within
 from .stack_finding import find_stacks, map_stack, nested_doubts
 from .stacks import stream_runs
 
@@ -95,7 +95,7 @@ def _head(scene: Scene) -> str | None:
             # read at the module's output only when its own forward applied the weight: a tied
             # embedding applied by the parent (`x @ emb.weight.T`) returns the lookup instead
             cid = g.call[node]
-            inside = cid is not None and _within(g.calls[cid].path, owner)
+            inside = cid is not None and owner is not None and within(g.calls[cid].path, owner)
             return owner if owner in scene.weight_layers and inside else None
         inputs = set(g.inputs[node])
         parents = {p for i in inputs for p in g.inputs[i]}
@@ -105,11 +105,6 @@ def _head(scene: Scene) -> str | None:
             return None
         node = inputs.pop()
     return None
-
-
-def _within(path: str, module: str | None) -> bool:
-    """Whether ``path`` is ``module`` or a module inside it."""
-    return module is not None and (path == module or path.startswith(module + "."))
 
 
 def _warn(model: nn.Module, m: ModelMap) -> None:

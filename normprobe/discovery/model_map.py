@@ -300,16 +300,26 @@ class ModelMap:
         """The learned gains that scale what ``add``'s branch writes, last on its way to the
         add: its layer scales (parameters), else the gain of the norm ending it (parameters),
         else its condition gates (the layers computing them); empty: none."""
+        return self._branch_gains(add)[1]
+
+    def branch_gain_kind(self, add: ResidualAdd) -> str | None:
+        """What `branch_gains` found for ``add``: ``layer scale``, ``norm gain`` or
+        ``condition gate``; None when it found none."""
+        return self._branch_gains(add)[0]
+
+    def _branch_gains(self, add: ResidualAdd) -> tuple[str | None, tuple[str, ...]]:
         if add.scales:
-            return add.scales
+            return "layer scale", add.scales
         if add.end_norm is not None:
             norm = self.norm(add.end_norm)
             gains = tuple(
                 f"{norm.path}.{p}" if norm.path else p for p in norm.affine if not is_bias_name(p)
             )
             if gains:
-                return gains
-        return add.condition_gates
+                return "norm gain", gains
+        if add.condition_gates:
+            return "condition gate", add.condition_gates
+        return None, ()
 
     def __str__(self) -> str:
         return render(self)

@@ -22,6 +22,7 @@ from .core.base import (
     Run,
     Series,
     Values,
+    block_params,
     placement,
     sustained,
 )
@@ -154,8 +155,7 @@ class GradNorm(Family):
             if where == "no-residual":
                 continue  # the skew of Pre-LN and Post-LN is one of residual streams
             points = run.scalars.get(tags.format("grad_ratio", stack), [])
-            sizes = run.texts.get(tags.format("block_params", stack), [])
-            unlike = _unlike(stack, streams, sizes[-1][1] if sizes else None)
+            unlike = _unlike(stack, streams, block_params(run, stack))
             flag = _skew(stack, points, where, unlike)
             if flag is not None:
                 found.append(flag)
@@ -221,13 +221,14 @@ def _unequal_sizes(grads: GradSquares, blocks: dict[str, slice]) -> dict[str, tu
     }
 
 
-def _unlike(stack: str, streams: set[str], sizes: str | None) -> str | None:
+def _unlike(stack: str, streams: set[str], sizes: tuple[int, int] | None) -> str | None:
     """Why ``stack``'s first and last gradients are not those of one residual stream's blocks
-    (``streams``: the stacks resid_rms was logged for, if any), or None when they are."""
+    (``streams``: the stacks resid_rms was logged for, if any; ``sizes``: the two blocks'
+    parameter counts where they differ), or None when they are."""
     if streams and stack not in streams:
         return "its blocks share no residual stream: they may differ in width"
     if sizes is not None:
-        first, last = (int(n) for n in sizes.split())
+        first, last = sizes
         return (
             f"its first and last blocks hold {first:,} and {last:,} trainable parameters, "
             "and a gradient norm grows with the block's size"

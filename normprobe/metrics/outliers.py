@@ -169,16 +169,19 @@ def _advice(run: Run, stack: str) -> str:
     """What massive activations are and the way out, for a stack with attention (whose logits
     were logged) or without."""
     if any(t.parsed.series == "attn_logit_max" and t.stack == stack for t in run.tags):
-        return (
-            "a few huge values kept in fixed channels, which models grow as an attention sink "
-            "or an implicit bias; they take up the range of int8/fp8 quantization, leaving every "
-            "other value little precision. Give attention an explicit sink or bias (a learned "
-            "sink token, attention biases), normalize queries and keys (QK-norm), or lower the "
-            "learning rate"
+        grown = "which models grow as an attention sink or an implicit bias"
+        way_out = (
+            "Give attention an explicit sink or bias (a learned sink token, attention biases), "
+            "normalize queries and keys (QK-norm)"
+        )
+    else:
+        grown = "an implicit bias"
+        way_out = (
+            "Look at what writes that channel (a bias, a gate, a global-context or "
+            "squeeze-excitation term)"
         )
     return (
-        "a few huge values kept in fixed channels, an implicit bias; they take up the range of "
-        "int8/fp8 quantization, leaving every other value little precision. Look at what "
-        "writes that channel (a bias, a gate, a global-context or squeeze-excitation term), or "
-        "lower the learning rate"
+        f"a few huge values kept in fixed channels, {grown}; they take up the range of int8/fp8 "
+        f"quantization, leaving every other value little precision. {way_out}, or lower the "
+        "learning rate"
     )

@@ -18,6 +18,7 @@ from .core.base import (
     Run,
     Series,
     Values,
+    block_params,
     sustained,
 )
 from .core.streams import Streams, stream_rms
@@ -160,7 +161,7 @@ def _compounding(run: Run, stack: str, growth: list[tuple[int, float]]) -> list[
     """The logged steps (sustained to the end) at which ``stack``'s stream grows past
     `GROWTH_LIMIT` while compounding, with the typical block's factor; empty when it does not,
     or when its blocks differ in size."""
-    if run.texts.get(tags.format("block_params", stack)):
+    if block_params(run, stack) is not None:
         return []
     series = _stream_rms(run, stack)
     factors = [(s, _block_factor(series, s) if g >= GROWTH_LIMIT else 0.0) for s, g in growth]

@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import probes, tags
 from ..common import is_writer, spread
-from ..discovery import Attention, DiscoveryWarning, ModelMap, NormLayer, ResidualAdd, Stack
+from ..discovery import Attention, DiscoveryWarning, ModelMap, NormLayer, Stack
 from ..metrics.core.base import (
     AttentionReader,
     Family,
@@ -293,7 +293,7 @@ class ProbePlan:
         there (``layer scale``, ``norm gain``, ``condition gate``, or several joined by
         ``and``), else None."""
         adds = self.model_map.adds_in(stack)
-        kinds = {_gain_kind(self.model_map, a) for a in adds}
+        kinds = {self.model_map.branch_gain_kind(a) for a in adds}
         if not adds or None in kinds:
             return None
         return " and ".join(sorted(k for k in kinds if k is not None))
@@ -377,17 +377,6 @@ class RecordOut:
 
     def vector(self, series: str, subject: str, values: Sequence[float]) -> None:
         self.record.profiles[f"{tags.PREFIX}/{series}/{subject}"] = list(values)
-
-
-def _gain_kind(model_map: ModelMap, add: ResidualAdd) -> str | None:
-    """The kind of learned gain ``add``'s branch writes through last (`ModelMap.branch_gains`),
-    or None."""
-    gains = model_map.branch_gains(add)
-    if not gains:
-        return None
-    if add.scales:
-        return "layer scale"
-    return "condition gate" if gains == add.condition_gates else "norm gain"
 
 
 def _unwrapped(path: str) -> str:

@@ -384,6 +384,16 @@ def branch_gains(run: Run, stack: str) -> str | None:
     return _last_text(run, "branch_gains", stack)
 
 
+def block_params(run: Run, stack: str) -> tuple[int, int] | None:
+    """The trainable parameter counts of the stack's first and last block as `grad_norm` wrote
+    them where the two differ by more than 10%, else None."""
+    text = _last_text(run, "block_params", stack)
+    if text is None:
+        return None
+    first, last = (int(n) for n in text.split())
+    return first, last
+
+
 def _last_text(run: Run, series: str, stack: str) -> str | None:
     """The last text the probe wrote under ``series`` for ``stack``, if any."""
     texts = run.texts.get(format_tag(series, stack), [])
