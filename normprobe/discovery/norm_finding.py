@@ -54,7 +54,16 @@ def _norm(scene: Scene, path: str, m: nn.Module, cache: ProbeCache) -> NormLayer
             key = (type(m), eps, _shape(args, kwargs))
             if key not in cache:
                 cache[key] = norm_rules.probe(m, args, kwargs, eps)
+                if cache[key] is None and named is not None:  # rows near eps on this input
+                    cache[key] = norm_rules.probe(m, args, kwargs, eps, fresh=True)
             behaviour, probed = cache[key], True
+    elif not exact_torch and (kind is not None or named is not None):
+        # not traced (no example input): a norm class of its own is run alone on a made-up
+        # input, for what its name cannot say (Gemma's 1 + weight behind a plain RMSNorm name)
+        key = (type(m), eps, (-1, *_gain_shape(m)))  # -1: no shape a traced input has
+        if key not in cache:
+            cache[key] = norm_rules.probe_alone(m, eps)
+        behaviour = cache[key]
     tanh = norm_rules.tanh_replacement(m)
     if kind is None and named is None and behaviour is None and tanh is None:
         return None
@@ -245,12 +254,22 @@ def _dims(m: nn.Module, behaviour: norm_rules.Behaviour | None) -> tuple[int, ..
 
 
 def _gain_offset(m: nn.Module, behaviour: norm_rules.Behaviour | None) -> float | None:
+    """The measured offset; else 0.0 for torch's own forward and 1.0 for Gemma's classes by
+    name; None (unknown) for any other class, or one without parameters."""
     if behaviour is not None:
         return behaviour.gain_offset
     if not any(True for _ in m.parameters(recurse=False)):
         return None
     named = [c.__name__ for c in type(m).__mro__]
-    return 1.0 if any(_GEMMA_GAIN.match(n) for n in named) else 0.0
+    if any(_GEMMA_GAIN.match(n) for n in named):
+        return 1.0
+    torch_forward = type(m).__module__.startswith("torch.") or norm_rules.runs_torch_forward(m)
+    return 0.0 if torch_forward else None
+
+
+def _gain_shape(m: nn.Module) -> tuple[int, ...]:
+    weight = next((p for p in m.parameters(recurse=False) if p.is_floating_point()), None)
+    return tuple(weight.shape) if weight is not None else ()
 
 
 def _eps_placement(

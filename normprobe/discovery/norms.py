@@ -152,7 +152,7 @@ _TIMM_LAYOUTS = {
 }  # fmt: skip
 
 
-def _runs_torch_forward(module: nn.Module) -> bool:
+def runs_torch_forward(module: nn.Module) -> bool:
     """Whether ``module``'s forward is that of the torch.nn class it derives from."""
     base = next((c for c in type(module).__mro__ if c.__module__.startswith("torch.nn")), None)
     return base is not None and type(module).forward is cast(type[nn.Module], base).forward
@@ -173,7 +173,7 @@ def declared_layout(module: nn.Module) -> str:
         classes = tuple(c for n in names if isinstance(c := getattr(timm_norm, n, None), type))
         if classes and isinstance(module, classes):
             return layout
-    if _runs_torch_forward(module) or isinstance(module, nn.GroupNorm | _NormBase):
+    if runs_torch_forward(module) or isinstance(module, nn.GroupNorm | _NormBase):
         return _class_layout(module)  # a group or batch norm's own attributes say its layout
     return ""
 
@@ -181,7 +181,7 @@ def declared_layout(module: nn.Module) -> str:
 def torch_layout(module: nn.Module) -> str:
     """The layout of a torch norm class; for a subclass with a forward of its own, only what it
     declares (`declared_layout`)."""
-    if not type(module).__module__.startswith("torch.") and not _runs_torch_forward(module):
+    if not type(module).__module__.startswith("torch.") and not runs_torch_forward(module):
         return declared_layout(module)
     return _class_layout(module)
 
@@ -218,7 +218,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 class _Prober:
     """Calls one module on variations of its captured input, leaving no trace on it."""
 
-    def __init__(self, module: nn.Module, args: Any, kwargs: Any, eps: float | None) -> None:
+    def __init__(
+        self, module: nn.Module, args: Any, kwargs: Any, eps: float | None, fresh: bool = False
+    ) -> None:
         self.module = module
         found = first_float_input(args, kwargs)
         if found is None:
@@ -227,34 +229,41 @@ class _Prober:
         self.inputs = (args, kwargs)
         x = x.detach().double()
         gen = torch.Generator(device="cpu").manual_seed(0)
-        if _constant(x):  # all zeros (a branch zero at init) or one value: it shows nothing
+        # all zeros (a branch zero at init) or one value show nothing; ``fresh``: rows near eps
+        # (tiny heads of a multi-head norm) would hide the invariance a Gaussian input shows
+        if fresh or _constant(x):
             x = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device)
         # probe at a size where eps is negligible: every test below is relative to it (a
         # vanishing input, 1e-16 after many layers without norms, too)
         self.size = max(10.0, 100 * math.sqrt(eps)) if eps else 10.0
         x = x * self.size / x.pow(2).mean().sqrt().clamp_min(1e-300)
-        self.x = x.to(found[1].dtype)
+        # half-precision modules are probed in float32: their rounding (bf16's 0.4%) would hide
+        # a scale invariance measured to 0.1%
+        wide = torch.promote_types(found[1].dtype, torch.float32)
+        self.x = x.to(wide)
         noise = torch.randn(x.shape, generator=gen, dtype=torch.float64)
         noise -= (noise * x).sum() / x.pow(2).sum() * x  # never parallel to x
         self.noise = (self.size * noise / noise.pow(2).mean().sqrt()).to(self.x)
         self.params = {
-            name: (1 + 0.1 * torch.randn(p.shape, generator=gen)).to(p)
+            name: (1 + 0.1 * torch.randn(p.shape, generator=gen)).to(p.device, wide)
             if p.is_floating_point()
             else p
             for name, p in module.named_parameters()
+        }
+        self.buffers = {
+            name: b.to(wide) if b.is_floating_point() else b for name, b in module.named_buffers()
         }
         self.train = False
 
     def __call__(self, x: torch.Tensor, params: dict[str, torch.Tensor] | None = None) -> Any:
         args, kwargs = replace_at(self.inputs, self.key, x)
         torch.manual_seed(0)  # identical dropout masks across calls
-        out = torch.func.functional_call(
-            self.module, params if params is not None else self.params, tuple(args), kwargs
-        )
+        tensors = {**self.buffers, **(params if params is not None else self.params)}
+        out = torch.func.functional_call(self.module, tensors, tuple(args), kwargs)
         y = first_float(out)
-        if y is None or y.shape != x.shape:
-            raise ValueError("output shape differs from input")
-        return y.double()
+        if y is None or y.numel() != x.numel():
+            raise ValueError("output size differs from input")
+        return y.reshape(x.shape).double()  # heads merged into one axis (xLSTM's head norm)
 
     def gain_offset(self) -> float | None:
         """1.0 when the output stays non-zero with every parameter zero (``1 + weight``), 0.0
@@ -265,17 +274,20 @@ class _Prober:
         return 0.0 if float(self(self.x, zeros).abs().max()) < 1e-6 else 1.0
 
 
-def probe(module: nn.Module, args: Any, kwargs: Any, eps: float | None) -> Behaviour | None:
+def probe(
+    module: nn.Module, args: Any, kwargs: Any, eps: float | None, fresh: bool = False
+) -> Behaviour | None:
     """Measure whether ``module`` behaves like a normalizer on its input, and which one.
 
     A constant captured input (all zeros behind a branch that is zero at initialization) is
     replaced by a random one, and scale invariance must also hold on the input plus noise: a
     module that merely adds something to its input (``x + residual``) looks scale invariant on
-    zeros, and one that centers over a dim the input is constant along outputs zeros.
+    zeros, and one that centers over a dim the input is constant along outputs zeros. ``fresh``:
+    a Gaussian input of the captured one's shape in its place.
     """
     try:
         with preserved(module), torch.no_grad():
-            p = _Prober(module, args, kwargs, eps)
+            p = _Prober(module, args, kwargs, eps, fresh)
             for train in (False, True):  # batch statistics only show in train mode
                 module.train(train)
                 y = p(p.x)
@@ -288,6 +300,24 @@ def probe(module: nn.Module, args: Any, kwargs: Any, eps: float | None) -> Behav
             return None
     except Exception:  # the module refuses variations of its input: not something we can probe
         return None
+
+
+def probe_alone(module: nn.Module, eps: float | None) -> Behaviour | None:
+    """`probe` on a Gaussian input made for ``module`` alone (no traced call to take one from):
+    its gain's shape as the features, last (batch, 7, *F) or first (batch, *F, 5, 7), the
+    layout the module declares tried first. None when it runs on neither."""
+    weight = next((p for p in module.parameters(recurse=False) if p.is_floating_point()), None)
+    like = weight if weight is not None else torch.empty(0)
+    features = tuple(weight.shape) if weight is not None else (16,)
+    shapes = [(2, 7, *features), (2, *features, 5, 7)]
+    if declared_layout(module) == "channels-first":
+        shapes.reverse()
+    for shape in shapes:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(like)
+        found = probe(module, (x,), {}, eps)
+        if found is not None:
+            return found
+    return None
 
 
 def gain_offset(module: nn.Module, args: Any, kwargs: Any) -> float | None:

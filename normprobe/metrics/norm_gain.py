@@ -36,9 +36,11 @@ class NormGain(Family):
             w = getattr(plan.modules[n.path], "weight", None)
             if not isinstance(w, torch.Tensor) or not w.is_floating_point():
                 continue
+            if n.gain_offset is None:  # weight or 1 + weight: unknown, so no gain to report
+                continue
             slot = plan.slot(3 if sharded else 2, plan.param_reduce)
             slots.append((plan.module_tag(n.path), slot))
-            offset = float(n.gain_offset or 0)
+            offset = n.gain_offset
             group = groups.setdefault((w.numel(), w.dtype, w.device, offset), _GainGroup(offset))
             group.modules.append(plan.modules[n.path])
             group.positions.extend(range(slot.offset, slot.offset + slot.size))

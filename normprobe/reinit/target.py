@@ -234,7 +234,15 @@ class Target:
 
 def set_norm(t: Target, norm: NormLayer, gain: float) -> None:
     """``norm``'s gain to ``gain`` (through its offset: Gemma's ``1 + weight``), its bias to 0."""
-    offset = norm.gain_offset or 0.0
+    offset = norm.gain_offset
+    gains = [name for name, _ in direct_params(t.module(norm.path)) if not is_bias_name(name)]
+    if offset is None and gains:
+        raise ValueError(
+            f"{norm.path} ({norm.class_name}) scales by its weight or by 1 + weight, and "
+            "discovery could not run it to tell which, so its gain cannot be set to "
+            f"{gain:g}; pass example_inputs"
+        )
+    offset = offset or 0.0
     as_gain = f"norm gain {gain:g}" + (f" as {offset:g} + weight" if offset else "")
     with torch.no_grad():
         for name, p in direct_params(t.module(norm.path)):

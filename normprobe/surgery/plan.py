@@ -131,12 +131,11 @@ def plan(s: Source, target: Target, opts: Options) -> Plan | None:
     stats = source_layout(s)
     layout, shape = stats.layout, stats.shape
     groups = opts.num_groups or (stats.groups if stats.groups else 32)
-    gain_offset = (s.layer.gain_offset or 0.0) if s.layer is not None else 0.0
     out_layout: Literal["channels-last", "channels-first"] = (
         "channels-last" if layout == "channels-last" else "channels-first"
     )
     _refuse_axis(name, path, target, stats, opts)
-    if gain_offset == 0.0 and _already(m, target, layout, out_layout, groups):
+    if _already(m, target, layout, out_layout, groups) and not (s.layer and s.layer.gain_offset):
         return None
     _refuse_extra_children(s, name)
     if target == "groupnorm" and shape[0] % groups:
@@ -149,6 +148,7 @@ def plan(s: Source, target: Target, opts: Options) -> Plan | None:
     gain = cast(nn.Parameter | None, getattr(m, gain_name) if gain_name else None)
     bias = cast(nn.Parameter | None, getattr(m, bias_name) if bias_name else None)
     _refuse_misfit(name, path, stats, gain, bias)
+    gain_offset = _gain_offset(s, name, path, gain)
     eps, eps_text = _eps(s, opts)
     return Plan(
         s,
@@ -232,6 +232,19 @@ def _refuse_misfit(
                 f"{name} has a {what} of shape {tuple(p.shape)}, which does not fit its "
                 f"{math.prod(stats.affine)} normalized features; exclude it (exclude={path!r})"
             )
+
+
+def _gain_offset(s: Source, name: str, path: str, gain: nn.Parameter | None) -> float:
+    """The source's gain offset (Gemma's ``1 + weight``: 1.0); a refusal where its gain is
+    carried over and discovery could not tell."""
+    offset = s.layer.gain_offset if s.layer is not None else 0.0
+    if offset is None and gain is not None:
+        raise Refusal(
+            f"{name} scales by its weight or by 1 + weight, and discovery could not run it to "
+            "tell which; pass example_inputs, or exclude it (exclude="
+            f"{path!r})"
+        )
+    return offset or 0.0
 
 
 def _eps(s: Source, opts: Options) -> tuple[float | None, str]:
