@@ -336,6 +336,28 @@ def test_discovery_is_read_only() -> None:
     handle.remove()
 
 
+class ForcedWeightNormLinear(nn.Linear):
+    """EDM2's forced weight normalization: in training, the forward writes its weight back
+    normalized to unit rows (``self.weight.copy_``) before applying it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.weight.copy_(F.normalize(self.weight, dim=1))
+        return F.linear(x, self.weight, self.bias)
+
+
+def test_parameters_a_forward_writes_in_place_survive_discovery() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(ForcedWeightNormLinear(8, 8), nn.ReLU(), ForcedWeightNormLinear(8, 8))
+    before = copy.deepcopy(model.state_dict())
+    normprobe.discover(model, torch.randn(4, 8))
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    model(torch.randn(4, 8))  # the forward itself still normalizes them: rows of norm 1
+    torch.testing.assert_close(model[0].weight.norm(dim=1), torch.ones(8))
+
+
 def test_batchnorm_running_stats_survive_discovery() -> None:
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).train()
     before = copy.deepcopy(model.state_dict())
