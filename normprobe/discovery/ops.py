@@ -24,8 +24,13 @@ EXACT_VIEW_OPS = frozenset(
         "float",
         "type_as",
         "type",
+        "as_tensor",  # of a tensor: that tensor itself (MONAI's HighResBlock skip)
+        "asarray",
     }
 )
+# Tensor properties read as ops (``__get__``), by the op they amount to: ``x.data`` is ``x``
+# cut from autograd (MONAI's zero-padded shortcut, ``torch.cat([out.data, pad])``).
+PROPERTY_OPS = {"data": "detach", "T": "permute", "mT": "transpose"}
 # Ops looked through when deciding what an operand derives from, but not value-preserving.
 PASS_OPS = frozenset(
     {"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"}

@@ -33,6 +33,7 @@ from .ops import (
     IGNORED_OPS,
     MHA_OPS,
     PASS_OPS,
+    PROPERTY_OPS,
     SCALE_OPS,
     SDPA_OPS,
     SHAPE_ONLY_OPS,
@@ -250,6 +251,8 @@ class _Recorder(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if name == "__get__":
+            name = PROPERTY_OPS.get(getattr(getattr(func, "__self__", None), "__name__", ""), name)
         if name in IGNORED_OPS:
             return func(*args, **kwargs)
         # Inputs are resolved before the call: an in-place op rebinds its tensor to a new node.
