@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+from ...discovery.model_map import is_bias_name
 from ..branches import branch_ends
 from ..scheme import Scheme
 from ..target import Target, set_norm, zero_params
+from ..weights import direct_params
 
 
 def zero_branch(t: Target) -> None:
     """The last module of every residual branch set to 0 (its last weight layer, or the gain of
-    a norm that follows it on the branch, as ResNet's ``zero_init_residual``)."""
+    a norm that follows it on the branch, as ResNet's ``zero_init_residual``). A branch ending
+    in a norm without a gain cannot be zeroed: refused before anything changes."""
     adds = t.adds()
     norms = {n.path: n for n in t.map.norms}
-    for path in {end for ends in branch_ends(t, adds).values() for end in ends}:
+    ends = sorted({end for ends in branch_ends(t, adds).values() for end in ends})
+    gainless = [
+        p
+        for p in ends
+        if p in norms and not any(not is_bias_name(name) for name, _ in direct_params(t.module(p)))
+    ]
+    if gainless:
+        first = norms[gainless[0]]
+        raise ValueError(
+            f"zero_branch: the residual branch ending in {first.path} ({first.class_name}) "
+            "cannot be set to 0, since that norm has no gain and its output stays normalized "
+            f"whatever comes before it ({len(gainless)} such branch ends: {gainless[:4]}); give "
+            "those norms a gain (affine=True) or use another scheme; nothing was changed"
+        )
+    for path in ends:
         if path in norms:
             set_norm(t, norms[path], gain=0.0)
         else:
