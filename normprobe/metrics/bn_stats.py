@@ -122,9 +122,14 @@ class BnStats(Family):
         for stack in sorted(over):
             if not any(h.training for h in over[stack]):  # flagged by one pass, not by training
                 continue
-            hits = sorted(over[stack], reverse=True)  # the worst first, by its ratio to its limit
+            converging = all(h.converging for h in over[stack] if h.training)
+            # the worst first, by its ratio to its limit; for a problem, what makes it one
+            # (training series that are not converging) ahead of the rest
+            hits = sorted(
+                over[stack],
+                key=lambda h: (not converging and (h.converging or not h.training), -h.ratio),
+            )
             listed = "; ".join(h.text for h in hits[:4]) + ("; ..." if len(hits) > 4 else "")
-            converging = all(h.converging for h in hits if h.training)
             if converging:
                 why = (
                     ", falling since the first logged step: the running statistics are still "

@@ -48,3 +48,21 @@ def test_mobilenet_v3_converging_running_statistics_are_a_note(tmp_path: Path) -
     drift = [f for f in normprobe.report_run(tmp_path).flags if f.kind == "batchnorm drift"]
     assert drift and all(f.severity == "note" for f in drift)
     assert all("still converging" in f.message for f in drift)
+
+
+def test_a_problem_names_the_layer_that_makes_it_one(tmp_path: Path) -> None:
+    # features/0.bn: far past its limit but converging (falling since the first step, settled
+    # drift under 1); features/3.bn: less far past it, flat and unsettled: the problem
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(6):
+        writer.add_scalar(tags.format("bn_var_drift", "features", 0, "bn"), 9.0 - step, step)
+        writer.add_scalar(tags.format(bn_stats.SETTLED, "features", 0, "bn"), 0.5, step)
+        writer.add_scalar(tags.format("bn_var_drift", "features", 3, "bn"), 1.5, step)
+        writer.add_scalar(tags.format(bn_stats.SETTLED, "features", 3, "bn"), 2.2, step)
+    writer.close()
+    (flag,) = [f for f in normprobe.report_run(tmp_path).flags if f.kind == "batchnorm drift"]
+    assert flag.severity == "problem"
+    assert flag.value == 1.5 and flag.message.startswith("bn_var_drift 1.5 > 0.693 at ")
+    assert "3.bn" in flag.message.split(";")[0]
