@@ -191,11 +191,15 @@ class Target:
         return found
 
     def depth(self, add: ResidualAdd) -> int:
-        """Blocks in the add's stack (the deepest stack, or the number of adds, outside one)."""
+        """Blocks in the add's stack; outside one, in the deepest stack holding residual adds,
+        or the number of adds where none does (a stack without adds, a U-Net's decoder of
+        plain convs, says nothing of the depth of a residual stream)."""
         m = self.map
         if add.stack is not None:
             return m.stack(add.stack).depth
-        return max((s.depth for s in m.stacks), default=len(m.residual_adds))
+        holding = {a.stack for a in m.residual_adds}
+        residual = [s.depth for s in m.stacks if s.path in holding]
+        return max(residual, default=len(m.residual_adds))
 
     def reset_norms(self) -> None:
         """Norm gains to 1 (Gemma's ``1 + weight``: weight 0) and norm biases to 0; a norm of
