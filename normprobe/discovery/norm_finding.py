@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..nested import iter_tensors
 from . import norms as norm_rules
 from .graph import Graph
 from .model_map import EpsPlacement, NormKind, NormLayer
@@ -50,7 +51,11 @@ def _norm(scene: Scene, path: str, m: nn.Module, cache: ProbeCache) -> NormLayer
     g = scene.g
     if g is not None and call is not None and g.calls[call].inputs is not None:
         args, kwargs = g.calls[call].inputs  # type: ignore[misc]
-        if not exact_torch or (kind is None and named is not None):
+        # by behaviour alone, only a module of one input: one scale invariant in its first of
+        # several (linear attention's q, divided by q . sum(k)) is no normalizer
+        alone = kind is None and named is None
+        probe = not exact_torch or (kind is None and named is not None)
+        if probe and not (alone and _float_inputs(args, kwargs) > 1):
             key = (type(m), eps, _shape(args, kwargs))
             if key not in cache:
                 cache[key] = norm_rules.probe(m, args, kwargs, eps)
@@ -280,6 +285,11 @@ def _eps_placement(
     if behaviour is not None:
         return behaviour.eps_placement
     return "inside-sqrt" if norm_rules.torch_kind(m) is not None else "unknown"
+
+
+def _float_inputs(args: Any, kwargs: Any) -> int:
+    """How many floating-point tensors of 4+ entries a call takes."""
+    return sum(t.is_floating_point() and t.numel() >= 4 for _, t in iter_tensors((args, kwargs)))
 
 
 def _shape(args: Any, kwargs: Any) -> tuple[int, ...]:

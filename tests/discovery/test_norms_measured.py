@@ -162,3 +162,35 @@ def test_an_unmeasured_gain_offset_is_unknown_and_refused() -> None:
 def test_torch_norms_keep_their_known_offset_without_example_inputs() -> None:
     norms = normprobe.discover(TinyTransformer()).norms
     assert norms and all(n.gain_offset == 0.0 for n in norms)
+
+
+class LinearAttention(nn.Module):
+    """Kernel-free linear attention, (q (k^T v)) / (q . sum(k)): scale invariant in q, its first
+    input, as a normalizer is in its only one (PyG's Performer kernel, forward(q, k, v))."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("projection", torch.eye(width))  # the Performer's random features
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k = q @ self.projection, k @ self.projection
+        num = q @ (k.transpose(-1, -2) @ v)
+        return num / (q @ k.sum(dim=-2, keepdim=True).transpose(-1, -2))
+
+
+class LinearAttentionBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.attn = LinearAttention(width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return x + self.out(self.attn(q, F.softplus(k), v))
+
+
+def test_a_module_of_several_inputs_is_no_norm_by_behaviour() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(LinearAttentionBlock(16), LinearAttentionBlock(16))
+    assert normprobe.discover(model, torch.randn(2, 6, 16)).norms == []
