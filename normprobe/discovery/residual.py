@@ -48,6 +48,15 @@ from .projection import find_projection, reads_input
 SLICE_OPS = frozenset({"__getitem__", "narrow"})
 # Ops whose output, multiplied into a value, gates it.
 GATE_OPS = frozenset({"sigmoid", "sigmoid_", "softmax", "_softmax", "hardsigmoid", "tanh"})
+# Elementwise nonlinearities: a sum behind one is a single branch's (an sLSTM cell's input and
+# recurrent projections under its tanh), not parallel branches summed into the stream.
+_NONLINEAR = ("tanh", "sigmoid", "relu", "relu6", "gelu", "silu", "softplus", "elu", "selu", "celu")
+NONLINEAR_OPS = frozenset(
+    {*_NONLINEAR, *(f"{n}_" for n in _NONLINEAR), "leaky_relu", "leaky_relu_", "hardtanh"}
+    | {"hardtanh_", "hardswish", "hardsigmoid", "mish", "exp", "softsign", "logsigmoid"}
+    | {"log", "sqrt", "rsqrt", "abs", "minimum", "maximum", "max", "min", "clamp", "clamp_min"}
+)
+_DIVISIONS = frozenset({"div", "__truediv__", "div_", "__itruediv__"})
 # Ops making a skip from the stream without a weight: pooling it, padding it, joining zeros to
 # it (the CIFAR ResNet's "option A" shortcut), resizing it.
 SKIP_TRANSFORM_OPS = frozenset(
@@ -364,7 +373,8 @@ class _Walk:
         return w
 
     def visit(self, n: int, mode: str) -> set[int]:
-        """Walk from node ``n`` in ``mode`` (value, gated or gate); return the ungated writers."""
+        """Walk from node ``n`` in ``mode`` (value, gated, gate, or inner: value behind a
+        nonlinearity, whose sums are one branch's); return the ungated writers."""
         key = (n, mode)
         if key in self.seen:
             return self.seen[key]
@@ -385,7 +395,7 @@ class _Walk:
             self.writes.gates.append(n)
             return set()
         self.writes.writers.append(n)
-        return {n} if mode == "value" and not self._routed_input(n) else set()
+        return {n} if mode == "value" and not self._routed_input(n) else set()  # not "inner"
 
     def _through(self, n: int, mode: str) -> set[int]:
         """The ungated writers behind a weightless op: a gated product, a sum of two branches,
@@ -397,6 +407,8 @@ class _Walk:
             gate = self._gate_side(n, acts)
             for i in acts:
                 side = "gate" if i == gate else ("gated" if gate is not None else mode)
+                if side == "value" and g.op[n] in _DIVISIONS and i == acts[1]:
+                    side = "inner"  # a divisor: nonlinear in what it is computed from
                 before = len(w.gates)
                 found |= self.visit(i, side)
                 if i == gate and i not in self.fed:
@@ -409,8 +421,9 @@ class _Walk:
         else:
             if g.uses_param[n] and g.op[n] in SCALE_OPS and mode != "gate":
                 w.scales.append(n)
+            inner = "inner" if mode == "value" and g.op[n] in NONLINEAR_OPS else mode
             for i in acts:
-                found |= self.visit(i, mode)
+                found |= self.visit(i, inner)
         return found
 
     def _routed_input(self, writer: int) -> bool:
