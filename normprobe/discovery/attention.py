@@ -69,8 +69,9 @@ def find_attention(g: Graph) -> dict[str, tuple[AttentionImpl, int]]:
     counts for its parent. A router's softmax over a linear layer's output (or over ``x @ w``,
     ``w`` a parameter) does not count, nor a ``log_softmax`` (the log-probabilities of a loss
     or a sampler, not weights for values). ``sdpa``: the module calls
-    ``scaled_dot_product_attention``. ``mha``: an ``nn.MultiheadAttention``, whose ops torch
-    dispatches as one.
+    ``scaled_dot_product_attention``. ``mha``: the module calls
+    ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, fairseq's own), which forms
+    its logits inside one op.
     """
     events: list[tuple[int, int, AttentionImpl, tuple[int, ...]]] = [
         (g.calls[c].first_node, c, "sdpa", query)
@@ -84,15 +85,18 @@ def find_attention(g: Graph) -> dict[str, tuple[AttentionImpl, int]]:
             cid = g.calls[cid].parent
         if product is not None and cid is not None:
             events.append((s, cid, "eager", g.shape[s]))  # logits: (..., heads, queries, keys)
-    events += [
-        (call.first_node, cid, "mha", ())
-        for cid, call in enumerate(g.calls)
-        if isinstance(call.module, nn.MultiheadAttention)
-    ]
+    # F.multi_head_attention_forward, from nn.MultiheadAttention or a module of its own
+    # (fairseq's MultiheadAttention in ESM-1): the innermost module calling it
+    heads_of = {cid: heads for cid, heads in g.mha_calls}
+    for cid, call in enumerate(g.calls):  # its fast path calls another op
+        if isinstance(call.module, nn.MultiheadAttention):
+            heads_of.setdefault(cid, call.module.num_heads)
+    events += [(g.calls[c].first_node, c, "mha", ()) for c in heads_of]
     found: dict[str, tuple[AttentionImpl, int]] = {}
     for _, cid, impl, shape in sorted(events, key=lambda e: e[:2]):
         module = g.calls[cid].module
-        found.setdefault(g.calls[cid].path, (impl, _heads(impl, shape, module)))
+        heads = heads_of[cid] if impl == "mha" else _heads(impl, shape, module)
+        found.setdefault(g.calls[cid].path, (impl, heads))
     return found
 
 
@@ -103,10 +107,8 @@ _HEADS_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads", "h
 def _heads(impl: AttentionImpl, shape: tuple[int, ...], module: nn.Module) -> int:
     """Query heads from the shape of the queries or logits (..., heads, tokens, last): read off
     a 4-D one; a 3-D one may be (heads, ...) or (batch * heads, ...), so the module's own count
-    decides; an ``nn.MultiheadAttention`` says it."""
+    decides."""
     declared = _declared_heads(module)
-    if impl == "mha":
-        return declared or 1
     if len(shape) >= 4:
         return shape[-3]
     if len(shape) == 3 and declared and shape[0] % declared == 0:

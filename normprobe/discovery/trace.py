@@ -281,6 +281,10 @@ class _Recorder(TorchFunctionMode):
                 self.extent_adds[cid] = self.extent_adds.get(cid, 0) + 1
         if op.act and in_tensors and outs[0] is in_tensors[0]:
             self._write_through(in_tensors[0])
+        if name == "multi_head_attention_forward" and self.stack:
+            heads = args[4] if len(args) > 4 else kwargs.get("num_heads")
+            if isinstance(heads, int):
+                self.g.mha_calls.append((self.stack[-1], heads))
         if name in SDPA_OPS:
             self.g.sdpa_calls.append(self.stack[-1] if self.stack else None)
             query = args[0] if args else kwargs.get("query")

@@ -187,6 +187,44 @@ def test_multihead_attention_logits_from_in_proj(tmp_path: Path) -> None:
     assert got == pytest.approx(want, rel=1e-5)
 
 
+class FunctionalMultiheadAttention(nn.Module):
+    """fairseq's MultiheadAttention (ESM-1): its own parameters handed to
+    ``F.multi_head_attention_forward``, (tokens, batch, features) in and out."""
+
+    def __init__(self, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.in_proj_weight = nn.Parameter(torch.randn(3 * WIDTH, WIDTH) / math.sqrt(WIDTH))
+        self.in_proj_bias = nn.Parameter(0.1 * torch.randn(3 * WIDTH))
+        self.out_proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.transpose(0, 1)
+        out, _ = F.multi_head_attention_forward(
+            t, t, t, WIDTH, self.heads, self.in_proj_weight, self.in_proj_bias,
+            None, None, False, 0.0, self.out_proj.weight, self.out_proj.bias,
+            need_weights=False,
+        )  # fmt: skip
+        return out.transpose(0, 1)
+
+
+def test_a_module_of_its_own_calling_multi_head_attention_forward(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(FunctionalMultiheadAttention()) for _ in range(2)])
+    x = torch.randn(2, 6, WIDTH)
+
+    def logits(m: FunctionalMultiheadAttention, x: torch.Tensor) -> torch.Tensor:
+        w, b, d = m.in_proj_weight, m.in_proj_bias, WIDTH // m.heads
+        q = (x @ w[:WIDTH].T + b[:WIDTH]).unflatten(-1, (m.heads, d)).transpose(1, 2)
+        k = (x @ w[WIDTH : 2 * WIDTH].T + b[WIDTH : 2 * WIDTH]).unflatten(-1, (m.heads, d))
+        return q @ k.permute(0, 2, 3, 1) / math.sqrt(d)
+
+    want = qk_max(model, x, FunctionalMultiheadAttention, logits)
+    found = normprobe.discover(model, x).attention
+    assert [(a.path, a.impl, a.heads) for a in found] == [(p, "mha", 4) for p in want]
+    assert logged(model, x, tmp_path) == pytest.approx(want, rel=1e-5)
+
+
 def test_mha_logit_max_unbatched_separate_weights_and_bias_k() -> None:
     torch.manual_seed(0)
     m = nn.MultiheadAttention(8, 2, kdim=6, vdim=6, add_bias_kv=True)
