@@ -93,20 +93,29 @@ def capture_layers(model: nn.Module, paths: list[str], cap: LayerCapture) -> Ite
     """Hook ``paths``' modules for one forward; gradient hooks stay until ``cap.release()``.
 
     The input is read in a forward pre-hook, before a backward hook of the user's wraps it, so
-    that its gradient is the one the layer's backward (hooks included) hands on.
+    that its gradient is the one the layer's backward (hooks included) hands on; the layer is
+    handed a view of it, whose gradient is the layer's own contribution alone.
     """
     modules = dict(model.named_modules())
     handles = []
     for path in paths:
 
-        def pre(mod: nn.Module, args: tuple[Any, ...], path: str = path) -> None:
+        def pre(mod: nn.Module, args: tuple[Any, ...], path: str = path) -> Any:
             x = first_float(args)
             if path in cap.stats or x is None:
-                return
+                return None
             stats = cap.stats[path] = LayerStats(path, x_rms=_rms(x))
-            if x.grad_fn is not None:  # not the user's batch, which outlives the step
-                hook = x.register_hook(_grad_hook(stats, "gx_rms"))  # type: ignore[no-untyped-call]
-                cap.handles.append(hook)
+            if x.grad_fn is None:  # the user's batch, which outlives the step
+                return None
+            # the layer's own view of its input: its gradient is this layer's alone, not the
+            # sum over every layer reading x (a time embedding read by ten blocks)
+            at = next((i for i, a in enumerate(args) if a is x), None)
+            if at is not None:
+                x = x.view_as(x)
+                args = (*args[:at], x, *args[at + 1 :])
+            hook = x.register_hook(_grad_hook(stats, "gx_rms"))  # type: ignore[no-untyped-call]
+            cap.handles.append(hook)
+            return args if at is not None else None
 
         def post(mod: nn.Module, args: tuple[Any, ...], out: Any, path: str = path) -> None:
             stats, y = cap.stats.get(path), first_float(out)

@@ -234,6 +234,34 @@ def test_torch_norm_classes_are_not_judged_for_low_precision() -> None:
     assert not any("lowp_error" in key for key in found.measurements)
 
 
+class Conditioned(nn.Module):
+    """A U-Net's blocks, each reading one shared time embedding through a Linear of its own
+    (``to_emb``) scaled by a FiLM gain: one block's gain still small, as it starts at 0."""
+
+    def __init__(self, blocks: int = 6, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(1, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.to_emb = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.gains = [1.0] * blocks
+        self.gains[2] = 0.02
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        emb = self.embed(t)
+        for layer, to_emb, gain in zip(self.layers, self.to_emb, self.gains, strict=True):
+            x = x + layer(torch.relu(x)) * (1 + gain * to_emb(emb))
+        return x
+
+
+def test_a_layer_reading_a_shared_input_is_judged_on_its_own_gradient() -> None:
+    # the shared embedding's gradient sums six blocks' contributions: over the small-gain
+    # block's output gradient it read as a backward gain of ~50, against ~1 for its peers
+    torch.manual_seed(0)
+    found = diagnose(Conditioned(), (torch.randn(8, 16), torch.rand(8, 1)))
+    assert "layer-jump" not in found.codes
+    assert found.measurements["diagnose/jump_max/gradient/layers"] < 2  # 44.5 from the sum
+
+
 def test_eps_outside_the_square_root() -> None:
     x = torch.randn(4, 8, 32)
     found = diagnose(NormNet(outside=True), x)
