@@ -166,8 +166,22 @@ def relu_chains(pairs: list[ReluPair]) -> list[list[ReluPair]]:
     chains: list[list[ReluPair]] = []
     for pair in pairs:
         last = chains[-1][-1] if chains else None
-        if last is not None and pair.x_in is not None and pair.x_in is last.y_out:
+        if last is not None and pair.x_in is not None and _same(pair.x_in, last.y_out):
             chains[-1].append(pair)
         else:
             chains.append([pair])
     return chains
+
+
+def _same(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether ``a`` is ``b``, or the whole-tensor view of it a layer is handed
+    (`capture_layers`)."""
+    if b is None or a is b:
+        return a is b
+    base = b._base if b._base is not None else b
+    return (
+        a._base is base
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
