@@ -83,6 +83,9 @@ def _attention(scene: Scene) -> list[Attention]:
     ]
 
 
+_JOINS = frozenset({"cat", "concat", "concatenate", "stack"})
+
+
 def _head(scene: Scene) -> str | None:
     """The weight layer the model's (logits) output comes from through single-input ops."""
     g = scene.g
@@ -98,6 +101,9 @@ def _head(scene: Scene) -> str | None:
             inside = cid is not None and owner is not None and within(g.calls[cid].path, owner)
             return owner if owner in scene.weight_layers and inside else None
         inputs = set(g.inputs[node])
+        owners = {g.owner[i] for i in inputs if g.uses_param[i]}
+        if g.op[node] in _JOINS and len(owners) == 1 and all(g.uses_param[i] for i in inputs):
+            inputs = {min(inputs)}  # one layer applied to chunks (litgpt's lm_head_chunk_size)
         parents = {p for i in inputs for p in g.inputs[i]}
         if len(inputs) > 1 and len(parents) == 1 and all(len(g.inputs[i]) == 1 for i in inputs):
             inputs = parents  # pieces of one tensor put back together (a gather's chunks)

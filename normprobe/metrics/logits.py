@@ -39,9 +39,13 @@ class Logits(Family):
         if head is None:
             return
         slots = [plan.slot(1, reduce) for reduce in ("max", "rms", "mean")]
+        chunks: list[torch.Tensor] = []  # this forward's head calls: a head applied in chunks
+        plan.at_forward_start(chunks.clear)
 
         def read(t: torch.Tensor) -> None:
-            for slot, value in zip(slots, probes.logit_stats(t), strict=True):
+            chunks.append(probes.logit_sums(t))
+            sums = chunks[0] if len(chunks) == 1 else torch.stack(chunks)
+            for slot, value in zip(slots, probes.logit_stats_from_sums(sums), strict=True):
                 plan.measured.put(slot, value)
 
         def record(values: Values, out: Out) -> None:
@@ -50,7 +54,7 @@ class Logits(Family):
                 if vals is not None:
                     out.scalar("logits", stat, vals[0])
 
-        plan.read(head, "post", read)
+        plan.read(head, "post", read, call=None)
         plan.on_record(record)
 
     def flags(self, run: Run) -> list[Flag]:
@@ -66,7 +70,8 @@ class Logits(Family):
                 value,
                 LIMIT,
                 f"the head's max |logit| is {why}: softmax saturates; lower the learning rate, "
-                "add weight decay or z-loss on the head, or soft-cap the logits",
+                "add weight decay or z-loss on the head, or soft-cap the logits (a cap the "
+                "model applies after its head is not seen here: these are the head's outputs)",
                 NOTE,
             )
         ]

@@ -16,8 +16,31 @@ def logit_stats(logits: torch.Tensor) -> torch.Tensor:
 
     The mean log-sum-exp is the "z" that z-loss keeps near 0.
     """
+    return logit_stats_from_sums(logit_sums(logits))
+
+
+def logit_sums(logits: torch.Tensor) -> torch.Tensor:
+    """(max |logit|, sum of squares, count, sum of log-sum-exps, rows) of output logits, as
+    float32: what `logit_stats_from_sums` combines over chunks of them (rows stacked along a
+    first axis)."""
     x = logits.detach().float()
-    return torch.stack([x.abs().amax(), rms(x), torch.logsumexp(x, dim=-1).mean()])
+    rows = x.numel() // max(x.shape[-1], 1) if x.ndim else 1
+    return torch.stack(
+        [
+            x.abs().amax(),
+            rms(x).square() * x.numel(),  # row by row: no squared copy of a vocabulary's logits
+            x.new_tensor(float(x.numel())),
+            torch.logsumexp(x, dim=-1).sum(),
+            x.new_tensor(float(rows)),
+        ]
+    )
+
+
+def logit_stats_from_sums(sums: torch.Tensor) -> torch.Tensor:
+    """`logit_stats` from `logit_sums`, one row or several stacked (the chunks of one output)."""
+    s = sums.reshape(-1, 5)
+    total = s[:, 1:].sum(dim=0)
+    return torch.stack([s[:, 0].amax(), (total[0] / total[1]).sqrt(), total[2] / total[3]])
 
 
 def abs_max(scores: torch.Tensor) -> torch.Tensor:

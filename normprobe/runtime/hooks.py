@@ -54,7 +54,7 @@ class ProbeHook:
 class Read:
     """Read one tensor at a module boundary on a given call and hand it to ``action``."""
 
-    call: int
+    call: int | None  # None: every call
     key: tuple[str | int, ...] | None  # None: the first floating-point tensor
     action: Reader
 
@@ -196,7 +196,7 @@ class Hooks:
             for path, site in sites:
                 call = self.calls.get(path, 0)
                 for read in site.post:
-                    if read.call == call:
+                    if read.call is None or read.call == call:
                         read(out)
             if index is not None:
                 for action in self.outputs:
@@ -209,7 +209,7 @@ class Hooks:
         number of the call."""
         call = self.calls[path] = self.calls.get(path, -1) + 1
         for read in site.pre:
-            if read.call == call:
+            if read.call is None or read.call == call:
                 read(inputs)
         return call
 

@@ -165,7 +165,7 @@ class ProbePlan:
         hook: Literal["pre", "post"],
         action: Reader,
         *,
-        call: int = 0,
+        call: int | None = 0,
         key: tuple[str | int, ...] | None = None,
     ) -> None:
         site = self.hooks.at(module)

@@ -145,11 +145,12 @@ class Plan(Protocol):
         hook: Literal["pre", "post"],
         action: Reader,
         *,
-        call: int = 0,
+        call: int | None = 0,
         key: tuple[str | int, ...] | None = None,
     ) -> None:
-        """Hand ``action`` a tensor at a module boundary on the given call of a logged forward:
-        the one at ``key`` of its inputs (pre) or output (post), else the first float one."""
+        """Hand ``action`` a tensor at a module boundary on the given call of a logged forward
+        (None: on every call): the one at ``key`` of its inputs (pre) or output (post), else the
+        first float one."""
 
     def read_add(self, module: str, call: int, index: int, action: Reader) -> None:
         """Hand ``action`` the result of the ``index``-th tensor add inside ``module``."""
