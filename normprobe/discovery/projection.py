@@ -5,6 +5,7 @@ shortcut."""
 from __future__ import annotations
 
 from .graph import Graph
+from .ops import MHA_OPS
 
 
 def find_projection(g: Graph, a: int, b: int, cid: int) -> tuple[int, int, set[int], int] | None:
@@ -27,11 +28,18 @@ def find_projection(g: Graph, a: int, b: int, cid: int) -> tuple[int, int, set[i
     if not reads_input(g, fork, floor):  # EfficientFormerV2's `attn @ v + conv(v)`
         return None
     depth_a, depth_b = _depth(g, only_a), _depth(g, only_b)
-    if depth_a == 1 < depth_b and _single_child(g, only_a, cid):
+    if depth_a == 1 < depth_b and _single_child(g, only_a, cid) and _layer(g, only_a):
         return a, b, only_b, fork
-    if depth_b == 1 < depth_a and _single_child(g, only_b, cid):
+    if depth_b == 1 < depth_a and _single_child(g, only_b, cid) and _layer(g, only_b):
         return b, a, only_a, fork
     return None
+
+
+def _layer(g: Graph, region: set[int]) -> bool:
+    """Whether the shortcut's weight op is a layer's: not attention, whose projections torch
+    runs as one op (PyG's GPSConv sums a local conv's and an ``nn.MultiheadAttention``'s
+    outputs)."""
+    return not any(g.op[n] in MHA_OPS for n in region if g.weight[n])
 
 
 def reads_input(g: Graph, node: int, floor: int) -> bool:

@@ -48,8 +48,20 @@ def find_stacks(scene: Scene) -> list[FoundStack]:
     found = [
         grouped_sublayers(s, scene.model, [_adds_in_block(scene, b) for b in s.blocks])
         for s in _without_lone_sublayers(scene, found)
+        if not _inside_one_branch(scene, s)
     ]
     return _with_unpacked(scene, found)
+
+
+def _inside_one_branch(scene: Scene, s: FoundStack) -> bool:
+    """Whether the blocks of candidate ``s`` perform no add and every weight layer in them is
+    on one residual add's branch: the sublayers of that branch (MONAI's ResidualUnit runs its
+    conv units as an ``nn.Sequential``), not a stack of their own."""
+    calls = scene.graph.calls
+    if s.repeated or any(within(calls[a.call].path, b) for a in scene.adds for b in s.blocks):
+        return False  # a module run N times (ALBERT) spans N adds' branches
+    layers = {w for w in scene.weight_layers if any(within(w, b) for b in s.blocks)}
+    return bool(layers) and any(layers <= set(a.layers) for a in scene.adds)
 
 
 def _holds_add(scene: Scene, block: str) -> bool:
