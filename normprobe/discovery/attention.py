@@ -106,10 +106,12 @@ _HEADS_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads", "h
 
 def _heads(impl: AttentionImpl, shape: tuple[int, ...], module: nn.Module) -> int:
     """Query heads from the shape of the queries or logits (..., heads, tokens, last): read off
-    a 4-D one; a 3-D one may be (heads, ...) or (batch * heads, ...), so the module's own count
-    decides."""
+    a 4-D one, unless the module's own count stands first (heads first: no per-head values); a
+    3-D one may be (heads, ...) or (batch * heads, ...), so the module's own count decides."""
     declared = _declared_heads(module)
     if len(shape) >= 4:
+        if declared and shape[-3] != declared and shape[0] == declared:
+            return 1  # heads first (ESM's MSA Transformer: h, n, i, j): one value, the module's
         return shape[-3]
     if len(shape) == 3 and declared and shape[0] % declared == 0:
         return declared

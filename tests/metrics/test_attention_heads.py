@@ -270,3 +270,49 @@ def test_attention_is_not_missed_aloud_unless_asked_for(tmp_path: Path) -> None:
     said = " ".join(str(w.message) for w in caught)
     assert "no stacks of blocks" in said  # what every model is expected to have
     assert "attention" not in said and "BatchNorm" not in said
+
+
+class RowAttention(nn.Module):
+    """ESM's MSA row attention: logits laid out heads first, (heads, rows, queries, keys)."""
+
+    def __init__(self, width: int = 16, num_heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (rows, columns, width)
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(-3)
+        scores = torch.einsum("rihd,rjhd->hrij", q, k) / math.sqrt(q.shape[-1])
+        y = torch.einsum("hrij,rjhd->rihd", scores.softmax(-1), v)
+        return self.out(y.flatten(-2))
+
+
+class RowBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.attn = RowAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.norm(x))
+
+
+def test_heads_first_logits_give_the_module_max_and_no_per_head_values(tmp_path: Path) -> None:
+    # 3 rows, 4 heads: read as (..., heads, queries, keys) the rows were taken for heads
+    torch.manual_seed(0)
+    model = nn.Sequential(RowBlock(), RowBlock())
+    x = torch.randn(3, 5, 16)
+    found = normprobe.discover(model, x).attention
+    assert [(a.path, a.impl, a.heads) for a in found] == [
+        (f"{i}.attn", "eager", 1) for i in range(2)
+    ]
+    with normprobe.attach(model, log_dir=str(tmp_path), every=1) as probe:
+        with torch.no_grad():
+            model(x)
+        probe.step()
+        scalars = probe.latest.scalars if probe.latest is not None else {}
+    attn = model[0].attn
+    q, k, _ = attn.qkv(model[0].norm(x)).unflatten(-1, (3, 4, -1)).unbind(-3)
+    want = float(torch.einsum("rihd,rjhd->hrij", q, k).abs().max()) / 2.0  # sqrt(head_dim 4)
+    assert scalars[probe.tag("attn_logit_max", "0.attn")] == pytest.approx(want, rel=1e-5)
