@@ -72,6 +72,12 @@ def _layout_and_dims(
         return layer.layout, dims  # measured on the example inputs by discovery
     measured = _measure(s.module, layer, gain_shape)
     if measured is None:
+        if s.traced and layer.layout and dims:  # measured, but its gain spans other features
+            raise Refusal(
+                f"{name} normalizes over {dims} ({layer.layout}) on the example inputs, which "
+                f"its gain of shape {gain_shape} does not fit (one gain over several heads' "
+                f"features): no torch norm computes that; exclude it (exclude={s.paths[0]!r})"
+            )
         how = (
             "discovery could not measure it on the example inputs; exclude it"
             if s.traced

@@ -194,3 +194,12 @@ def test_a_module_of_several_inputs_is_no_norm_by_behaviour() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(LinearAttentionBlock(16), LinearAttentionBlock(16))
     assert normprobe.discover(model, torch.randn(2, 6, 16)).norms == []
+
+
+def test_a_gain_over_several_heads_is_refused_with_what_was_measured() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(QuietHeads(), QuietHeads())
+    x = torch.randn(2, 5, 16)
+    refused = r"0\.norm \(MultiHeadLayerNorm\) normalizes over \(8,\) \(channels-last\) .* \(16,\)"
+    with pytest.raises(ValueError, match=refused):
+        normprobe.convert_norms(model, "rmsnorm", example_inputs=(x,))
