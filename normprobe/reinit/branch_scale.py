@@ -109,11 +109,15 @@ def insert_branch_scale(
         else:
             value = float(init)
         module = t.module(path)
-        like = next(module.parameters(), None)
+        # the scale's dtype and device: the end's own parameters, else its branch's writers'
+        # (an affine-free norm ends it: MONAI's InstanceNorm)
+        held = [module, *(t.module(w) for w in adds[i].writers)]
+        like = next((p for m in held for p in m.parameters()), None)
         if like is None:
             raise ValueError(
-                f"the branch of the add in {adds[i].module!r} ends in {path!r}, which has no "
-                "parameters to take a dtype and device from"
+                f"the branch of the add in {adds[i].module!r} ends in {path!r}, and neither it "
+                "nor the branch's writers hold a parameter to take the scale's dtype and "
+                "device from"
             )
         channels, channel_dim, offset = channels_of(t, path)
         per_channel = channels if kind == "layerscale" else None

@@ -54,3 +54,14 @@ def test_a_branch_ending_in_a_norm_without_a_gain_is_refused() -> None:
     with pytest.raises(ValueError, match=r"1\.0\.norm2 \(InstanceNorm2d\) cannot be set to 0"):
         normprobe.reinit(model, "zero_branch", example_inputs=(X,))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_branch_scale_goes_after_a_norm_without_a_gain() -> None:
+    # ReZero where zero_branch cannot: the scale, 0, multiplies the affine-free norm's output
+    model = normprobe.insert_branch_scale(_net(affine=False), "rezero", example_inputs=(X,))
+    h = model[0](X)
+    with torch.no_grad():
+        for block in model[1]:
+            assert float(block.branch(h).abs().max()) == 0.0
+            h = block(h)
+    assert len(normprobe.branch_scales(model)) == 3

@@ -27,7 +27,8 @@ def zero_branch(t: Target) -> None:
             f"zero_branch: the residual branch ending in {first.path} ({first.class_name}) "
             "cannot be set to 0, since that norm has no gain and its output stays normalized "
             f"whatever comes before it ({len(gainless)} such branch ends: {gainless[:4]}); give "
-            "those norms a gain (affine=True) or use another scheme; nothing was changed"
+            "those norms a gain (affine=True), or scale the branches with "
+            "normprobe.insert_branch_scale(model, 'rezero'); nothing was changed"
         )
     for path in ends:
         if path in norms:
