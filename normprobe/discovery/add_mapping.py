@@ -103,10 +103,15 @@ def unattached_writers(scene: Scene, adds: list[ResidualAdd]) -> list[Doubt]:
     attached = {p for a in adds for p in (*a.writers, *a.gates)}
     streams = {g.alias[n] for a in scene.adds for n in (a.stream, a.out)}
     skips = {a.skip for a in scene.adds}
+    shortcuts = {g.alias[n] for n in skips}  # a projection's layer, also scaled (EDM2's MPAdd)
     found: dict[str, None] = {}
     for n, owner in enumerate(g.owner):
         candidate = (
-            g.weight[n] and owner is not None and owner not in attached and owner not in found
+            g.weight[n]
+            and owner is not None
+            and owner not in attached
+            and owner not in found
+            and g.alias[n] not in shortcuts
         )
         if candidate and g.alias[n] not in streams and _writes_stream(scene, n, streams, skips):
             found[owner or ""] = None

@@ -14,6 +14,10 @@ def find_projection(g: Graph, a: int, b: int, cid: int) -> tuple[int, int, set[i
     floor = g.calls[cid].first_node - 1
     reg_a, front_a = g.region(a, floor)
     reg_b, front_b = g.region(b, floor)
+    parent = g.calls[cid].parent
+    if parent is not None and not any(g.weight[n] for n in reg_a | reg_b):
+        # a helper handed both operands (EDM2's MPAdd(x, res_conv(x))): its caller's sum
+        return find_projection(g, a, b, parent)
     shared = (reg_a | front_a) & (reg_b | front_b)
     if not shared:
         return None
