@@ -228,3 +228,21 @@ def _canonical(g: Graph, node: int) -> tuple[str, ...]:
 
 def _parent(qualified: str) -> str:
     return qualified.rpartition(".")[0]
+
+
+def fused_skips(scene: Scene) -> list[Doubt]:
+    """A doubt for each weight layer that adds an activation to its product in one op: its
+    output holds a skip, so it is no branch's last layer to scale or zero."""
+    g = scene.graph
+    owners = dict.fromkeys(g.owner[n] for n in g.fused_skips if g.owner[n] is not None)
+    return [
+        Doubt(
+            "fused-skip",
+            path or "",
+            f"{path or '<root>'} adds an activation to its weight product in one op "
+            "(addmm(h, h, W)): a skip and a branch in one output, which reinit cannot tell "
+            "apart; re-initialize it yourself",
+            ("reinit",),
+        )
+        for path in owners
+    ]

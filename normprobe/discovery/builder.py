@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from .add_mapping import add_where, map_add, unattached_writers
+from .add_mapping import add_where, fused_skips, map_add, unattached_writers
 from .attention import find_attention
 from .doubts import doubts, merged
 from .graph import Graph
@@ -58,6 +58,7 @@ def build_map(model: nn.Module, g: Graph | None, trace_ms: float) -> ModelMap:
     )
     if g is not None:
         model_map.doubts += unattached_writers(scene, residual_adds)
+        model_map.doubts += fused_skips(scene)
         model_map.doubts += nested_doubts(scene, model_map)
     model_map.doubts = merged(model_map.doubts, doubts(model_map, model))
     _warn(model, model_map)

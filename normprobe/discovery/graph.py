@@ -56,6 +56,8 @@ class Graph:
     softmaxes: list[int] = field(default_factory=list)
     sdpa_calls: list[int | None] = field(default_factory=list)  # call of each sdpa op
     sdpa_queries: list[tuple[int, ...]] = field(default_factory=list)  # its query's shape
+    # weight ops that add an activation to their product (addmm(h, h, W)): a skip inside one op
+    fused_skips: list[int] = field(default_factory=list)
     # call of each F.multi_head_attention_forward, and its num_heads
     mha_calls: list[tuple[int, int]] = field(default_factory=list)
     calls: list[Call] = field(default_factory=list)

@@ -223,7 +223,8 @@ class Doubt:
 
     Attributes:
         kind: a short, stable name for the class of doubt (``add-outside-stack``,
-            ``no-stack``, ``unattached-writer``, ``nested-stacks``, ``unknown-norm``, ...).
+            ``no-stack``, ``unattached-writer``, ``fused-skip``, ``nested-stacks``,
+            ``unknown-norm``, ...).
         path: the module it concerns (``""`` for the root).
         reason: one sentence a user can act on.
         affects: the actions that refuse while this doubt stands (`Action`).

@@ -90,6 +90,9 @@ FIRST_ONLY_OPS = frozenset({"type_as", "view_as", "reshape_as", "expand_as", "to
 # A parameter broadcast over the batch by these (a class token) starts a stream of its own.
 BROADCAST_OPS = frozenset({"expand", "expand_as", "repeat", "tile", "broadcast_to"})
 SDPA_OPS = frozenset({"scaled_dot_product_attention"})
+# Weight ops adding their first operand to the product: with an activation there, a skip fused
+# into the layer (PyG's GCN2Conv: addmm(h, h, W, beta=1 - b, alpha=b)).
+FUSED_ADD_OPS = frozenset({"addmm", "addmv", "addbmm", "baddbmm", "addr"})
 # Tensor methods that do no computation worth recording.
 IGNORED_OPS = frozenset(
     {

@@ -30,6 +30,7 @@ from .ops import (
     BROADCAST_OPS,
     EXACT_VIEW_OPS,
     FIRST_ONLY_OPS,
+    FUSED_ADD_OPS,
     IGNORED_OPS,
     MHA_OPS,
     PASS_OPS,
@@ -276,6 +277,8 @@ class _Recorder(TorchFunctionMode):
         op = self._classify(name, args, kwargs, in_nodes)
         for t in outs:
             self._record(t, name, op, (args, in_tensors, in_nodes), add_operands)
+        if name in FUSED_ADD_OPS and op.weight and in_nodes and self.g.act[in_nodes[0]]:
+            self.g.fused_skips.append(self.node(outs[0]))
         if add_operands is not None:
             for cid in self.stack:
                 self.extent_adds[cid] = self.extent_adds.get(cid, 0) + 1
