@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..nested import iter_tensors
 from . import norms as norm_rules
 from .graph import Graph
 from .model_map import EpsPlacement, NormKind, NormLayer
@@ -54,8 +53,8 @@ def _norm(scene: Scene, path: str, m: nn.Module, cache: ProbeCache) -> NormLayer
         # by behaviour alone, only a module of one input: one scale invariant in its first of
         # several (linear attention's q, divided by q . sum(k)) is no normalizer
         alone = kind is None and named is None
-        probe = not exact_torch or (kind is None and named is not None)
-        if probe and not (alone and _float_inputs(args, kwargs) > 1):
+        probing = not exact_torch or (kind is None and named is not None)
+        if probing and not (alone and _float_inputs(args, kwargs) > 1):
             key = (type(m), eps, _shape(args, kwargs))
             if key not in cache:
                 cache[key] = norm_rules.probe(m, args, kwargs, eps)
@@ -273,7 +272,7 @@ def _gain_offset(m: nn.Module, behaviour: norm_rules.Behaviour | None) -> float 
 
 
 def _gain_shape(m: nn.Module) -> tuple[int, ...]:
-    weight = next((p for p in m.parameters(recurse=False) if p.is_floating_point()), None)
+    weight = norm_rules.own_gain(m)
     return tuple(weight.shape) if weight is not None else ()
 
 
@@ -289,7 +288,7 @@ def _eps_placement(
 
 def _float_inputs(args: Any, kwargs: Any) -> int:
     """How many floating-point tensors of 4+ entries a call takes."""
-    return sum(t.is_floating_point() and t.numel() >= 4 for _, t in iter_tensors((args, kwargs)))
+    return sum(1 for _ in norm_rules.float_inputs(args, kwargs))
 
 
 def _shape(args: Any, kwargs: Any) -> tuple[int, ...]:

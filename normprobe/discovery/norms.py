@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -202,12 +203,21 @@ def _class_layout(module: nn.Module) -> str:
 # behaviour probe
 
 
-def first_float_input(args: Any, kwargs: Any) -> tuple[tuple[str | int, ...], torch.Tensor] | None:
-    """The key and value of the first floating input of 4+ entries in a call's arguments."""
+def float_inputs(args: Any, kwargs: Any) -> Iterator[tuple[tuple[str | int, ...], torch.Tensor]]:
+    """The key and value of each floating input of 4+ entries in a call's arguments."""
     for key, t in iter_tensors((args, kwargs)):
         if t.is_floating_point() and t.numel() >= 4:
-            return key, t
-    return None
+            yield key, t
+
+
+def first_float_input(args: Any, kwargs: Any) -> tuple[tuple[str | int, ...], torch.Tensor] | None:
+    """The key and value of the first of `float_inputs`."""
+    return next(float_inputs(args, kwargs), None)
+
+
+def own_gain(module: nn.Module) -> torch.Tensor | None:
+    """The module's first floating-point parameter of its own: a norm's gain, if it has one."""
+    return next((p for p in module.parameters(recurse=False) if p.is_floating_point()), None)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -306,7 +316,7 @@ def probe_alone(module: nn.Module, eps: float | None) -> Behaviour | None:
     """`probe` on a Gaussian input made for ``module`` alone (no traced call to take one from):
     its gain's shape as the features, last (batch, 7, *F) or first (batch, *F, 5, 7), the
     layout the module declares tried first. None when it runs on neither."""
-    weight = next((p for p in module.parameters(recurse=False) if p.is_floating_point()), None)
+    weight = own_gain(module)
     like = weight if weight is not None else torch.empty(0)
     features = tuple(weight.shape) if weight is not None else (16,)
     shapes = [(2, 7, *features), (2, *features, 5, 7)]

@@ -236,11 +236,15 @@ class Target:
         return order
 
 
+def gain_names(module: nn.Module) -> list[str]:
+    """The names of ``module``'s own parameters that are no bias: a norm's gain."""
+    return [name for name, _ in direct_params(module) if not is_bias_name(name)]
+
+
 def set_norm(t: Target, norm: NormLayer, gain: float) -> None:
     """``norm``'s gain to ``gain`` (through its offset: Gemma's ``1 + weight``), its bias to 0."""
     offset = norm.gain_offset
-    gains = [name for name, _ in direct_params(t.module(norm.path)) if not is_bias_name(name)]
-    if offset is None and gains:
+    if offset is None and gain_names(t.module(norm.path)):
         raise ValueError(
             f"{norm.path} ({norm.class_name}) scales by its weight or by 1 + weight, and "
             "discovery could not run it to tell which, so its gain cannot be set to "

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from ...discovery.model_map import is_bias_name
 from ..branches import branch_ends
 from ..scheme import Scheme
-from ..target import Target, set_norm, zero_params
-from ..weights import direct_params
+from ..target import Target, gain_names, set_norm, zero_params
 
 
 def zero_branch(t: Target) -> None:
@@ -16,11 +14,7 @@ def zero_branch(t: Target) -> None:
     adds = t.adds()
     norms = {n.path: n for n in t.map.norms}
     ends = sorted({end for ends in branch_ends(t, adds).values() for end in ends})
-    gainless = [
-        p
-        for p in ends
-        if p in norms and not any(not is_bias_name(name) for name, _ in direct_params(t.module(p)))
-    ]
+    gainless = [p for p in ends if p in norms and not gain_names(t.module(p))]
     if gainless:
         first = norms[gainless[0]]
         raise ValueError(
