@@ -12,6 +12,7 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from ..discovery import ModelMap
@@ -20,6 +21,7 @@ from .report import ReinitReport
 from .scheme import Scheme
 from .schemes import REGISTRY, SCHEMES
 from .target import Target
+from .weights import warn_user
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -128,11 +130,24 @@ def reinit_with_report(
         t.refuse_doubts("reinit", depth, _REINIT_WAY_OUT[depth])
     before = {id(p) for p in model.parameters()}
     spec.apply(t, **chosen)
+    if t.kept_vectors:
+        _warn_kept_vectors(model, spec.name, t.kept_vectors)
     for kept in t.applied.commit():
         t.rec.undo(kept, "its parametrization cannot be set to a given tensor: kept its value")
     parametrized = t.applied.parametrized(model)
     left_why = _LeftWhy(t, spec)
     return model, t.rec.report(model, spec.name, chosen, parametrized, before, left_why)
+
+
+def _warn_kept_vectors(model: nn.Module, scheme: str, kept: list[torch.Tensor]) -> None:
+    names = {id(p): name for name, p in model.named_parameters()}
+    listed = [names.get(id(p), "?") for p in kept]
+    shown = ", ".join(listed[:3]) + (f" and {len(listed) - 3} more" if len(listed) > 3 else "")
+    warn_user(
+        f"reinit(model, {scheme!r}) kept {len(listed)} vector(s) of weight layers that are not "
+        f"biases ({shown}): a flat weight the layer reshapes (e3nn) or a learned decay has no "
+        "fan-in a scheme can read; initialize them with the model's own init"
+    )
 
 
 def _scheme(scheme: Any) -> Scheme:

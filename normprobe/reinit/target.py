@@ -81,6 +81,7 @@ class Target:
         self._map = model_map
         self.applied = Applied()  # reinit commits it after the scheme ran
         self.rec = Recorder()  # what the scheme set, for reinit_with_report
+        self.kept_vectors: list[torch.Tensor] = []  # weight-layer vectors no scheme can draw
         if model_map is not None:
             self._check_map(model_map)
 
@@ -172,8 +173,8 @@ class Target:
             and (embeddings or not isinstance(m, nn.Embedding | nn.EmbeddingBag))
         ]
 
-    def layer_params(self) -> list[tuple[nn.Module, torch.Tensor]]:
-        """(layer, parameter) of every non-embedding weight layer, each parameter once; a
+    def layer_params(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        """(layer, name, parameter) of every non-embedding weight layer, each parameter once; a
         parameter tied to an embedding (a GPT-2 ``lm_head``) counts as the embedding's."""
         embedded = {
             id(p)
@@ -184,11 +185,28 @@ class Target:
         seen: set[int] = set()
         found = []
         for _, m in self.weight_layers(embeddings=False):
-            for _, p in self.applied.of(m):
+            for name, p in self.applied.of(m):
                 if id(p) not in embedded and id(p) not in seen:
                     seen.add(id(p))
-                    found.append((m, p))
+                    found.append((m, name, p))
         return found
+
+    def set_vector(self, name: str, p: torch.Tensor, scheme: str) -> None:
+        """Set a weight layer's parameter ``name`` that a scheme does not draw: a bias (by its
+        name) to 0; a vector that is no bias (e3nn's flat weights, which the layer reshapes
+        into its matrices; RecurrentGemma's learned decay) is kept, its fan-in unknown: zeroed
+        as a bias it would erase the layer."""
+        if is_bias_name(name):
+            nn.init.zeros_(p)
+            self.rec.record(p, constant(0.0, "bias"))
+        else:
+            self.rec.leave(p, f"a vector of a weight layer that is no bias: {scheme} keeps it")
+            self.kept_vectors.append(p)
+
+    @staticmethod
+    def drawn(name: str, p: torch.Tensor) -> bool:
+        """Whether a scheme draws a weight layer's parameter ``name``: a matrix or kernel."""
+        return p.ndim >= 2 and not is_bias_name(name)
 
     def depth(self, add: ResidualAdd) -> int:
         """Blocks in the add's stack; outside one, in the deepest stack holding residual adds,

@@ -201,10 +201,9 @@ def deepnorm(t: Target, *, n_layers: Any = None, alpha: Any = None, beta: Any = 
             value_slices = values.find(a, in_attention) if in_attention else {}
             for path in layers:
                 layer = t.module(path)
-                for _, p in t.applied.of(layer):
-                    if p.ndim < 2:
-                        p.zero_()
-                        t.rec.record(p, constant(0.0, "bias"))
+                for name, p in t.applied.of(layer):
+                    if not t.drawn(name, p):
+                        t.set_vector(name, p, "deepnorm")
                     elif path in value_slices:
                         _xavier_slices(t, layer, p, value_slices[path], beta)
                     else:

@@ -93,10 +93,13 @@ def _fixup_branch(
         layer = t.module(path)
         last = path in a.writers  # the last layer on each path of the branch
         parts[path] = _FixupPart(last=last)
-        for _, p in t.applied.of(layer):
-            if last or p.ndim < 2:
+        for name, p in t.applied.of(layer):
+            if last:
                 p.zero_()
-                t.rec.record(p, constant(0.0, "last layer of a branch" if last else "bias"))
+                t.rec.record(p, constant(0.0, "last layer of a branch"))
+                continue
+            if not t.drawn(name, p):
+                t.set_vector(name, p, "fixup")
                 continue
             view = out_in_view(layer, p)
             nn.init.kaiming_normal_(view, mode=mode, nonlinearity="relu")
@@ -122,14 +125,13 @@ def _fixup_shortcut(
     ]
     for path in shortcut:
         layer = t.module(path)
-        for _, p in t.applied.of(layer):
-            if p.ndim >= 2:
+        for name, p in t.applied.of(layer):
+            if t.drawn(name, p):
                 view = out_in_view(layer, p)
                 nn.init.kaiming_normal_(view, mode=mode, nonlinearity="relu")
                 t.rec.record(p, kaiming(view, mode, math.sqrt(2.0), "normal", "sqrt(2)"))
             else:
-                p.zero_()
-                t.rec.record(p, constant(0.0, "bias"))
+                t.set_vector(name, p, "fixup")
     branch = [p for p in a.branch_layers if p in parts]
     first = min((p for p in shortcut if p in order), key=order.index, default=None)
     if first is not None and branch:

@@ -8,9 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...discovery import is_bias_name
 from ..branches import check_skip_gains
-from ..report import constant, normal
+from ..report import normal
 from ..scheme import Scheme, block_count, positive_number
 from ..target import Target
 from ..weights import warn_user
@@ -46,17 +45,14 @@ def gpt2(t: Target, *, std: Any = 0.02, n_layers: Any = None) -> None:
                 if id(p) in seen:
                     continue  # a tied weight (lm_head = wte) is initialized once
                 seen.add(id(p))
-                if is_bias_name(name):
-                    nn.init.zeros_(p)
-                    t.rec.record(p, constant(0.0, "bias"))
-                elif p.ndim >= 2:
+                if t.drawn(name, p):
                     depth = writers.get(f"{path}.{name}" if path else name)
                     scale = math.sqrt(2 * depth) if depth else 1.0
                     nn.init.normal_(p, 0.0, std / scale)
                     why = f"{std:g}/sqrt(2*{depth})" if depth else f"std={std:g}"
                     t.rec.record(p, normal(std / scale, why))
-                else:  # a vector that is no bias (RecurrentGemma's learned decay)
-                    t.rec.leave(p, "a vector of a weight layer that is no bias: gpt2 keeps it")
+                else:
+                    t.set_vector(name, p, "gpt2")
             if isinstance(m, nn.Embedding) and m.padding_idx is not None:
                 dict(t.applied.of(m))["weight"][m.padding_idx].zero_()
                 t.rec.notes.append(f"{path}.weight: row {m.padding_idx} (padding_idx) set to 0")

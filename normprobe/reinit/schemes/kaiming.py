@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from ..report import constant, kaiming
+from ..report import kaiming
 from ..scheme import Scheme, gain_for, one_of
 from ..target import Target
 from ..weights import out_in_view
@@ -25,14 +25,13 @@ def kaiming_init(
     distribution = one_of("distribution", distribution, ("normal", "uniform"))
     gain = gain_for(nonlinearity, a)
     init = nn.init.kaiming_normal_ if distribution == "normal" else nn.init.kaiming_uniform_
-    for m, p in t.layer_params():
-        if p.ndim >= 2:
+    for m, name, p in t.layer_params():
+        if t.drawn(name, p):
             view = out_in_view(m, p)
             init(view, a=a, mode=mode, nonlinearity=nonlinearity)
             t.rec.record(p, kaiming(view, mode, gain, distribution, f"{gain:.4g}"))
         else:
-            nn.init.zeros_(p)
-            t.rec.record(p, constant(0.0, "bias"))
+            t.set_vector(name, p, "kaiming")
     t.reset_norms()
 
 

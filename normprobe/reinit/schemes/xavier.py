@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from ..report import constant, xavier
+from ..report import xavier
 from ..scheme import Scheme, gain_for, one_of, positive_number
 from ..target import Target
 from ..weights import out_in_view
@@ -19,14 +19,13 @@ def xavier_init(
     g = gain_for(nonlinearity) if gain is None else positive_number("gain", gain)
     distribution = one_of("distribution", distribution, ("normal", "uniform"))
     init = nn.init.xavier_normal_ if distribution == "normal" else nn.init.xavier_uniform_
-    for m, p in t.layer_params():
-        if p.ndim >= 2:
+    for m, name, p in t.layer_params():
+        if t.drawn(name, p):
             view = out_in_view(m, p)
             init(view, gain=g)
             t.rec.record(p, xavier(view, g, distribution, f"{g:.4g}"))
         else:
-            nn.init.zeros_(p)
-            t.rec.record(p, constant(0.0, "bias"))
+            t.set_vector(name, p, "xavier")
     t.reset_norms()
 
 
