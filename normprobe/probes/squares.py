@@ -21,7 +21,7 @@ def squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     the whole tensor's; of a sparse tensor (an ``nn.Embedding(sparse=True)`` gradient), its
     values'.
     """
-    tensors = [t.coalesce().values() if t.is_sparse else t for t in tensors]
+    tensors = [_real(t.coalesce().values() if t.is_sparse else t) for t in tensors]
     shares = None
     dtensor = dtensor_type()
     if dtensor is not None and any(isinstance(t, dtensor) for t in tensors):
@@ -167,9 +167,15 @@ def _repeated_shapes(tensors: Sequence[torch.Tensor], candidates: list[int]) -> 
     return [group for group in by_key.values() if len(group) > 1]
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as the real tensor of its real and imaginary parts (the same sum of
+    squares: |z|^2 = re^2 + im^2); any other as it is."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def _row_squares(stacked: torch.Tensor) -> torch.Tensor:
     """The sum of squares of each tensor stacked along the first axis, in float32."""
-    rows = stacked.reshape(len(stacked), -1)
+    rows = _real(stacked).reshape(len(stacked), -1)
     return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32).pow_(2)
 
 
@@ -204,7 +210,10 @@ class SquareSums:
         """``whole``: which tensors to read whole whatever their size, as `squared_norms` does
         (the gradient of an embedding table: a few rows, which a sample would mostly miss, or
         a sparse tensor)."""
-        plain = [type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors]
+        # complex tensors (FEDformer's Fourier weights) are read whole, as their real views
+        plain = [
+            type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_complex() for t in tensors
+        ]
         runs = []
         for i, t in enumerate(tensors):
             if plain[i] and sample is not None and t.numel() > sample and not (whole and whole[i]):
