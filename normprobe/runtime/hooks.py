@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ..metrics.core.base import AttentionReader
-from ..nested import first_float, get_by_key
+from ..nested import first_float, get_by_key, iter_tensors
 from ..probes.shards import local_part
 from .backward import Gradients
 from .modes import AddCounter, AttentionLogits
@@ -181,6 +181,10 @@ class Hooks:
         # the reads go around the modes a parent module entered: they are not the model's
         # operations, and would cost a Python call each
         with torch._C.DisableTorchFunction():
+            if _without_data(inputs):  # a call on meta tensors for their shapes: counted only
+                for path, _ in sites:
+                    self.calls[path] = self.calls.get(path, -1) + 1
+                return
             if watched is not None:  # before the module runs: its inputs as they are called
                 self.gradients.watch(watched, "input", inputs)
             calls = [self._read_inputs(path, site, inputs) for path, site in sites]
@@ -193,6 +197,8 @@ class Hooks:
         """A recorded call of module ``index`` returned ``out``: its sites' outputs read, and
         the output readers and gradient watch handed it."""
         with torch._C.DisableTorchFunction():
+            if _without_data(out):
+                return
             for path, site in sites:
                 call = self.calls.get(path, 0)
                 for read in site.post:
@@ -224,6 +230,13 @@ class Hooks:
             mode.__enter__()  # type: ignore[no-untyped-call]
         if modes:
             self.modes[path] = modes
+
+
+def _without_data(value: Any) -> bool:
+    """Whether ``value``'s first tensor has no data (on the meta device: a model calling a
+    layer for the shape of its output, as compressai's checkerboard context does)."""
+    first = next(iter_tensors(value), None)
+    return first is not None and first[1].is_meta
 
 
 class Armed:
