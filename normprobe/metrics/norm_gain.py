@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .. import probes
+from ..discovery import is_bias_name
 from .core.base import Family, Out, Plan, Series, Slot, Values
 
 
@@ -17,7 +18,7 @@ class _GainGroup:
     """Norms whose weights share shape, dtype, device and gain offset: reduced in one go."""
 
     offset: float
-    modules: list[nn.Module] = field(default_factory=list)
+    gains: list[tuple[nn.Module, str]] = field(default_factory=list)  # (norm, its gain's name)
     positions: list[int] = field(default_factory=list)  # their (mean, std) slot positions
 
 
@@ -33,8 +34,10 @@ class NormGain(Family):
         groups: dict[tuple[Any, ...], _GainGroup] = {}
         slots: list[tuple[str, Slot]] = []
         for n in plan.norms:
-            w = getattr(plan.modules[n.path], "weight", None)
-            if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+            module = plan.modules[n.path]
+            name = next((p for p in n.affine if not is_bias_name(p)), "")  # weight, scale, g
+            w = _gain(module, name)
+            if w is None or not w.is_floating_point():
                 continue
             if n.gain_offset is None:  # weight or 1 + weight: unknown, so no gain to report
                 continue
@@ -42,14 +45,14 @@ class NormGain(Family):
             slots.append((plan.module_tag(n.path), slot))
             offset = n.gain_offset
             group = groups.setdefault((w.numel(), w.dtype, w.device, offset), _GainGroup(offset))
-            group.modules.append(plan.modules[n.path])
+            group.gains.append((module, name))
             group.positions.extend(range(slot.offset, slot.offset + slot.size))
 
         def read() -> None:
             with torch.no_grad():
                 for g in groups.values():
                     # read now: FSDP swaps them
-                    weights = plan.holdings.weights([_weight(m) for m in g.modules])
+                    weights = plan.holdings.weights([getattr(m, name) for m, name in g.gains])
                     if sharded:
                         stats = torch.stack([probes.gain_moments(w, g.offset) for w in weights])
                     else:
@@ -70,7 +73,7 @@ class NormGain(Family):
         plan.on_record(record)
 
 
-def _weight(module: nn.Module) -> torch.Tensor:
-    weight = module.weight
-    assert isinstance(weight, torch.Tensor)
-    return weight
+def _gain(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The norm's gain parameter ``name`` (torch's ``weight``, torchtune's ``scale``)."""
+    gain = getattr(module, name, None)
+    return gain if isinstance(gain, torch.Tensor) else None
