@@ -74,3 +74,29 @@ def test_one_block_scaled_up_is_a_jump_even_right_after_the_first(tmp_path: Path
     flag = _jump(normprobe.report_run(tmp_path))
     assert flag is not None and flag.severity == "problem"
     assert "leaving block 1 has" in flag.message and flag.value > resid_rms.JUMP_LIMIT
+
+
+def test_a_last_block_writing_more_than_quiet_peers_is_no_jump(tmp_path: Path) -> None:
+    """transformers' OLMo-hybrid: two linear-attention layers whose writes start near 0.01, then
+    one full-attention layer writing about 1. The stream leaving the last block is 35x the one
+    before it in a healthy run; with no block after it, nothing says that layer blew up."""
+    torch.manual_seed(0)
+    model = TinyTransformer(width=32, depth=3, context=16)
+
+    def loud(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out * 1e2  # the first two blocks' writes stay at GPT-2's small init
+
+    model.blocks[2].attn.register_forward_hook(loud)
+    model.blocks[2].mlp.register_forward_hook(loud)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", normprobe.DiscoveryWarning)
+        with normprobe.attach(model, opt, log_dir=str(tmp_path), every=1):
+            for _ in range(3):
+                x = torch.randint(0, 96, (4, 16))
+                model.loss(x, x).backward()
+                opt.step()
+    scalars = read_events(str(tmp_path)).scalars
+    profile = [dict(scalars[tags.format("resid_rms", "blocks", b)])[2] for b in range(3)]
+    assert profile[2] / profile[1] > resid_rms.JUMP_LIMIT  # a jump by the ratio alone
+    assert _jump(normprobe.report_run(tmp_path)) is None
