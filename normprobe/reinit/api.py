@@ -129,14 +129,38 @@ def reinit_with_report(
         depth = spec.counts_depth(chosen)
         t.refuse_doubts("reinit", depth, _REINIT_WAY_OUT[depth])
     before = {id(p) for p in model.parameters()}
+    frozen = [(name, p, p.detach().clone()) for name, p in model.named_parameters()]
+    frozen = [entry for entry in frozen if not entry[1].requires_grad]
     spec.apply(t, **chosen)
     if t.kept_vectors:
         _warn_kept_vectors(model, spec.name, t.kept_vectors)
+    _keep_frozen(t, spec.name, frozen)
     for kept in t.applied.commit():
         t.rec.undo(kept, "its parametrization cannot be set to a given tensor: kept its value")
     parametrized = t.applied.parametrized(model)
     left_why = _LeftWhy(t, spec)
     return model, t.rec.report(model, spec.name, chosen, parametrized, before, left_why)
+
+
+def _keep_frozen(
+    t: Target, scheme: str, frozen: list[tuple[str, nn.Parameter, torch.Tensor]]
+) -> None:
+    """Put back the parameters that do not train (``requires_grad=False``: a frozen backbone
+    under LoRA, YOLO's fixed DFL projection), which no optimizer could repair, and say so."""
+    changed = [name for name, p, value in frozen if not torch.equal(p.detach(), value)]
+    with torch.no_grad():
+        for _, p, value in frozen:
+            p.copy_(value)
+            t.rec.undo(p, f"it does not train (requires_grad=False): {scheme} keeps it")
+    if changed:
+        shown = ", ".join(changed[:3]) + (
+            f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        )
+        warn_user(
+            f"reinit(model, {scheme!r}) left {len(changed)} parameter(s) that do not train "
+            f"(requires_grad=False: {shown}) as they were; set requires_grad=True on them first "
+            "to re-initialize them"
+        )
 
 
 def _warn_kept_vectors(model: nn.Module, scheme: str, kept: list[torch.Tensor]) -> None:
