@@ -95,7 +95,14 @@ def branch_ends(t: Target, adds: Sequence[ResidualAdd]) -> dict[int, list[str]]:
                             break
                         end = path
                 ends[i].append(end)
-    return ends
+    return {i: _outermost(paths) for i, paths in ends.items()}
+
+
+def _outermost(paths: list[str]) -> list[str]:
+    """``paths`` less those inside another of them: a LoRA layer's ``lora_b`` writes through
+    the layer, whose output a scale on the layer already covers (a second swap would land on
+    the new wrapper, leaving a scale that is never called)."""
+    return [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
 
 
 def channels_of(t: Target, path: str) -> tuple[int, int, float | None]:
