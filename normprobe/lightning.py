@@ -172,8 +172,10 @@ class NormProbe(Callback):
                 "`example_input_array` on your LightningModule or pass "
                 "NormProbe(example_inputs=(...,))"
             )
-        # map whichever module training_step runs first: the LightningModule or a child
-        for module in (pl_module, *pl_module.children()):
+        # map whichever module training_step runs first: the LightningModule or a child that
+        # holds weights (not a padding or loss module called before the model: neuralforecast)
+        children = [c for c in pl_module.children() if any(True for _ in c.parameters())]
+        for module in (pl_module, *children):
             self._waiting.append(
                 module.register_forward_pre_hook(
                     ProbeHook(self._first_forward(trainer)), with_kwargs=True, prepend=True

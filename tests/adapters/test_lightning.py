@@ -214,3 +214,27 @@ def test_deepspeed_strategy_is_said_to_read_no_gradients() -> None:
     assert callback.spikes is None and "resid_rms" in callback.metrics
     with pytest.raises(RuntimeError, match="only supported on CUDA GPUs"):
         trainer.strategy.setup_environment()
+
+
+class PaddedLM(LM):
+    """neuralforecast's BaseModel: training_step pads the batch with a child module
+    (``self.padder_train``, a ConstantPad1d) before it calls the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.padder = nn.ConstantPad1d((0, 1), 0)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        padded = self.padder(batch.float()).long()
+        loss = self.model.loss(padded, padded)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_weightless_child_called_first_is_not_mapped(tmp_path: Path) -> None:
+    probe = normprobe.NormProbe()
+    t = trainer(tmp_path, callbacks=[probe])
+    t.fit(PaddedLM(), tokens())
+    assert t.logger is not None and t.logger.log_dir is not None
+    events = read_events(t.logger.log_dir)
+    assert tags.format("resid_rms", "model.blocks", 0) in events.scalars  # not the padding's
