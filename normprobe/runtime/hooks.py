@@ -340,3 +340,14 @@ def warn_no_step(model: nn.Module, forwards: int, has_optimizer: bool) -> None:
         RuntimeWarning,
         stacklevel=3,  # the caller of remove()
     )
+
+
+def warn_no_forward(model: nn.Module, steps: int) -> None:
+    warnings.warn(
+        f"normprobe: the probe saw {steps} training step(s) but no forward of "
+        f"{type(model).__name__}, so nothing was logged: the loop runs the model some other "
+        "way (model.forward(x) or a method that calls it, such as ultralytics' "
+        "model.loss(batch)); call model(x), or attach the probe to the module the loop calls",
+        RuntimeWarning,
+        stacklevel=3,  # the caller of remove()
+    )
