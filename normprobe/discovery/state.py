@@ -15,9 +15,10 @@ from torch.overrides import TorchFunctionMode
 @contextmanager
 def preserved(module: nn.Module, *, grads: bool = False) -> Iterator[None]:
     """Restore ``module``'s train/eval modes, buffers (BatchNorm statistics) and the parameters
-    its forward writes in place (EDM2's forced weight normalization) on exit, and with
-    ``grads`` its parameters' gradients (cleared meanwhile); random numbers drawn inside come
-    from forked generators (the CPU's and those of the module's CUDA devices)."""
+    its forward writes in place (EDM2's forced weight normalization) or replaces (``p.data =
+    w * mask``) on exit, and with ``grads`` its parameters' gradients (cleared meanwhile);
+    random numbers drawn inside come from forked generators (the CPU's and those of the
+    module's CUDA devices), and the generators its modules hold get their states back."""
     modes = [(m, m.training) for m in module.modules()]
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     params = list(module.parameters()) if grads else []
@@ -25,6 +26,11 @@ def preserved(module: nn.Module, *, grads: bool = False) -> Iterator[None]:
     tensors = [*module.parameters(), *module.buffers()]
     cuda = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
     guard = _ParameterWrites(module)
+    # the memory each parameter holds now, kept by reference: a forward that assigns
+    # ``p.data = w * mask`` (a masked convolution) gets its old memory back
+    memory = [(p, p.data) for p in module.parameters()]
+    generators = _own_generators(module)
+    states = [g.get_state() for g in generators]
     with torch.random.fork_rng(devices=cuda):
         try:
             for p in params:
@@ -37,9 +43,25 @@ def preserved(module: nn.Module, *, grads: bool = False) -> Iterator[None]:
             with torch.no_grad():
                 for b, value in buffers:
                     b.copy_(value)
+                for p, data in memory:
+                    if p.data.data_ptr() != data.data_ptr() or p.shape != data.shape:
+                        p.data = data
                 guard.restore()
+            for generator, state in zip(generators, states, strict=True):
+                generator.set_state(state)
             for p, g in zip(params, saved_grads, strict=True):
                 p.grad = g
+
+
+def _own_generators(module: nn.Module) -> list[torch.Generator]:
+    """The random generators ``module``'s submodules hold as attributes (torchtune's layer
+    dropout draws from its own), once each."""
+    found: dict[int, torch.Generator] = {}
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, torch.Generator):
+                found.setdefault(id(value), value)
+    return list(found.values())
 
 
 class _ParameterWrites(TorchFunctionMode):
