@@ -193,10 +193,9 @@ def deepnorm(t: Target, *, n_layers: Any = None, alpha: Any = None, beta: Any = 
             given = "beta given" if beta_fixed else f"beta={c.beta_from}"
             beta = _Beta(beta_fixed or c.beta, given)
             layers = [p for p in a.branch_layers if not isinstance(t.module(p), nn.Embedding)]
+            scopes = _attention_scopes(t, attention, layers)
             in_attention = [
-                p
-                for p in layers
-                if p not in a.writers and any(p == q or p.startswith(q + ".") for q in attention)
+                p for p in layers if p not in a.writers and any(_within(p, q) for q in scopes)
             ]
             value_slices = values.find(a, in_attention) if in_attention else {}
             for path in layers:
@@ -214,6 +213,27 @@ def deepnorm(t: Target, *, n_layers: Any = None, alpha: Any = None, beta: Any = 
             why = f"{skip}/alpha, alpha=" + ("given" if alpha_fixed else c.alpha_from)
             scalers += [(end, a.skip_scale / alpha_i, why) for end in ends.get(i, [])]
     _set_fixed_scalers(t, scalers, "deepnorm")
+
+
+def _within(path: str, scope: str) -> bool:
+    return scope == "" or path == scope or path.startswith(scope + ".")
+
+
+def _attention_scopes(t: Target, attention: list[str], layers: list[str]) -> list[str]:
+    """Where a branch's query, key and value projections live: each attention module holding
+    some of the branch's ``layers``, or the module around one that holds none (the
+    Informer/iTransformer ``AttentionLayer``, whose projections are siblings of the softmax's
+    ``inner_attention``) where every weight layer of it is on this branch."""
+    scopes = []
+    for att in attention:
+        if any(_within(p, att) for p in layers):
+            scopes.append(att)
+            continue
+        parent = att.rpartition(".")[0]
+        held = [p for p, _ in t.weight_layers() if _within(p, parent)]
+        if held and all(p in layers for p in held):
+            scopes.append(parent)
+    return scopes
 
 
 class _Beta(NamedTuple):
