@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .attention import logit_nodes
+from .composite import linear_sum
 from .graph import Graph
 from .ops import ADD_OPS, SCALE_OPS
 from .projection import find_projection, reads_input
@@ -137,8 +138,8 @@ def find_residual_adds(g: Graph, norm_calls: frozenset[int] = frozenset()) -> li
     for out, a, b in g.adds:
         if not (g.act[a] and g.act[b]) or g.shape[a] != g.shape[b]:
             continue
-        if g.alias[a] == g.alias[b] or out in logits:
-            continue
+        if g.alias[a] == g.alias[b] or out in logits or linear_sum(g, out):
+            continue  # a composite layer's own sum (LoRA's) is no residual add
         cid = g.call[out]
         if cid is None:
             continue
@@ -162,12 +163,45 @@ def find_residual_adds(g: Graph, norm_calls: frozenset[int] = frozenset()) -> li
             )
         found.append(add)
         by_out[out] = add
-    found = sorted(found + _accept_weak(g, weak, found, norm_calls), key=lambda f: f.out)
+    found = _carried(
+        g, sorted(found + _accept_weak(g, weak, found, norm_calls), key=lambda f: f.out)
+    )
     streams = {g.alias[n] for f in found for n in (f.stream, f.out)}
     fed = _fed_by(g, streams)
     for add in found:
         _describe(g, add, streams, fed)
     return found
+
+
+def _carried(g: Graph, found: list[FoundAdd]) -> list[FoundAdd]:
+    """The adds of ``found`` but those on the branch of another add whose stream is one of
+    their operands, carried on beside the sum, if the sum is no stream and reaches none, nor
+    the output, through no weight op: RT-DETR's ``q = x + pos`` (``pos`` an MLP of boxes the
+    previous layer predicted) only feeds the queries and keys of ``x + attn(q, q, x)``."""
+    beside = {(g.alias[o.stream], n) for o in found for n in o.region}
+    inner = [
+        f
+        for f in found
+        if any((g.alias[i], f.out) in beside for i in (f.stream, f.skip, *f.branches))
+    ]
+    readers: dict[int, list[int]] = {}
+    for n, inputs in enumerate(g.inputs if inner else []):
+        for i in inputs:
+            readers.setdefault(i, []).append(n)
+    outputs = {g.alias[n] for _, n in g.root_outputs}
+    side = []
+    for f in inner:
+        ends = outputs | {g.alias[n] for o in found if o is not f for n in (o.stream, o.skip)}
+        todo, seen, carried = [f.out], set(), False
+        while todo and not carried:
+            n = todo.pop()
+            if n not in seen and not g.weight[n]:
+                seen.add(n)
+                carried = g.alias[n] in ends
+                todo += readers.get(n, [])
+        if not carried:
+            side.append(f)
+    return [f for f in found if f not in side]
 
 
 def _fed_by(g: Graph, sources: set[int]) -> set[int]:
@@ -415,7 +449,7 @@ class _Walk:
                     w.conditions += w.gates[before:]
         elif g.op[n] in ADD_OPS and len(acts) == 2 and mode != "gate":
             sides = [self.visit(i, mode) for i in acts]
-            if sum(bool(s) for s in sides) >= 2:
+            if sum(bool(s) for s in sides) >= 2 and not linear_sum(g, n):
                 w.parallel = True
             found = sides[0] | sides[1]
         else:

@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..nested import iter_tensors
 from ..probes.shards import held_part
+from .composite import mark_composite
 from .graph import Call, Graph
 from .ops import (
     ADD_OPS,
@@ -229,6 +230,7 @@ class _Recorder(TorchFunctionMode):
             g.boundary.setdefault(n, (len(g.boundary), "post", cid, key))
             if not self.stack and t.is_floating_point():
                 g.root_outputs.append((key, n))
+        mark_composite(g, cid)  # a LoRA layer's sum: one weight op of the layer
 
     def attach(self, model: nn.Module) -> None:
         for m in model.modules():
@@ -274,7 +276,7 @@ class _Recorder(TorchFunctionMode):
         )
         if not outs:
             return out
-        op = self._classify(name, args, kwargs, in_nodes)
+        op = self._classify(name, args, kwargs, in_nodes, in_tensors)
         for t in outs:
             self._record(t, name, op, (args, in_tensors, in_nodes), add_operands)
         if name in FUSED_ADD_OPS and op.weight and in_nodes and self.g.act[in_nodes[0]]:
@@ -297,7 +299,12 @@ class _Recorder(TorchFunctionMode):
         return out
 
     def _classify(
-        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], in_nodes: list[int]
+        self,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        in_nodes: list[int],
+        in_tensors: list[torch.Tensor],
     ) -> _Op:
         """What an op's outputs are: activations or parameter constants, and the weight layer
         applying parameters to an activation."""
@@ -307,7 +314,9 @@ class _Recorder(TorchFunctionMode):
         params = [n for n in data_in if g.param_const[n]]
         if name in SHAPE_ONLY_OPS:
             act_in, params = (), []
-        if params and act_in and _picks_matrices(g, act_in, params):
+        # complex activations (FEDformer's Fourier modes) are values, never indices
+        values = {n for n, t in zip(in_nodes, in_tensors, strict=True) if t.is_complex()}
+        if params and act_in and not values & set(act_in) and _picks_matrices(g, act_in, params):
             act_in = ()  # an expert's weight picked by a computed index: still a parameter
         if name in BROADCAST_OPS and not act_in and params and self.stack:
             params = []  # a learned token: an activation from here on
