@@ -17,18 +17,22 @@ from .scene import Scene, Where, within
 def add_where(scene: Scene, a: FoundAdd) -> Where:
     """The stack and block of an add: the innermost block holding its last writer (else
     the module performing it) that also holds that module, if one does: not a stack
-    inside its own branch (HGNet's aggregation chain); a repeated block's index is the
-    run it happened in."""
+    inside its own branch (HGNet's aggregation chain); else, for a parent performing its
+    blocks' adds (x-transformers), the innermost block holding the last writer whose stack
+    holds no other writer in another block: writers across a stack's blocks make a skip
+    around that stack (compressai's AttentionBlock), no add of it. A repeated block's index
+    is the run it happened in."""
     g = scene.graph
     module = g.calls[a.call].path
-    writers = [g.owner[n] for n in a.writes.writers]
-    anchor = writers[-1] if writers and scene.blocks_of(writers[-1] or "") else module
+    writers = [g.owner[n] or "" for n in a.writes.writers]
+    anchor = writers[-1] if writers and scene.blocks_of(writers[-1]) else module
     found = scene.blocks_of(anchor or "")
-    if not found:
-        return None, None
     # a repeated block's stack lists that one block once per run
     holding = [(s, i) for s, i in found if within(module, scene.stack_blocks(s)[i or 0])]
-    stack, index = holding[0] if holding else found[0]
+    single = [(s, i) for s, i in found if _blocks_with(scene, writers, s) <= {i}]
+    if not holding and not single:
+        return None, None
+    stack, index = holding[0] if holding else single[0]
     if index is None:  # a repeated block: count its runs up to this add
         block = scene.stack_blocks(stack)[0]
         start = g.call[a.writes.writers[-1]] if a.writes.writers else a.call
@@ -37,6 +41,11 @@ def add_where(scene: Scene, a: FoundAdd) -> Where:
             c = g.calls[c].parent
         index = g.calls[c].index if c is not None else None
     return stack, index
+
+
+def _blocks_with(scene: Scene, writers: list[str], stack: str) -> set[int | None]:
+    """The blocks of ``stack`` holding one of ``writers``."""
+    return {i for w in writers for s, i in scene.blocks_of(w) if s == stack}
 
 
 def map_add(

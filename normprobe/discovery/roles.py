@@ -3,6 +3,7 @@ residual adds, never from the kind of shortcut or where the norm module sits."""
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 
 from .graph import Graph
@@ -82,20 +83,41 @@ def _find_pre_norms(
 ) -> None:
     """A pre norm reads the stream an add's branch reads and feeds that branch; in front of a
     projection shortcut, in the add's own block, its output (or its activation) may be what
-    both sides read."""
+    both sides read, unless it closes an earlier add of that block (Post-LN's LN(x + f(x))
+    before TSMixerx's projected feature mixing)."""
     g, adds = scene.graph, scene.adds
     for path, (inp, out) in io.items():
         reading = [i for i, a in enumerate(adds) if out in a.region]
         forked = flow.forks_of.get(g.alias[out], [])
         for i in flow.stream_of.get(inp, []) + forked + reading:
-            a = adds[i]
-            fork = i in forked and scene.where(path) == scene.add_where[i]
-            # it reads the stream itself, or with other tokens joined to it (class attention)
-            reads = inp == g.alias[a.stream] or _plain_path(g, g.alias[a.stream], inp)
-            if fork or (out in a.region and reads):
+            fork = (
+                i in forked
+                and scene.where(path) == scene.add_where[i]
+                and not _closes_block_add(scene, io, flow, path)
+            )
+            if fork or (out in adds[i].region and _reads_stream(g, adds[i], inp, flow)):
                 roles[path] = "pre"
                 add_norms.setdefault(i, {})["pre_norm"] = path
                 break
+
+
+def _reads_stream(g: Graph, a: FoundAdd, inp: int, flow: _Flow) -> bool:
+    """Whether a norm reading ``inp`` reads add ``a``'s stream itself, or with other tokens
+    joined to it (class attention), not through another add's sum (a Post-LN block nested
+    in ``a``'s branch normalizes its own stream: TFT's gated residual networks)."""
+    stream = g.alias[a.stream]
+    return inp == stream or _plain_path(g, stream, inp, flow.sum_of)
+
+
+def _closes_block_add(scene: Scene, io: dict[str, tuple[int, int]], flow: _Flow, path: str) -> bool:
+    """Whether the norm at ``path`` reads the sum of an add of its own block that no norm
+    reads the stream of: a Post-LN norm, not a pre norm of what follows."""
+    g = scene.graph
+    j = flow.sum_of.get(io[path][0])
+    if j is None or scene.add_where[j] != scene.where(path):
+        return False
+    a = scene.adds[j]
+    return not any(out in a.region and _reads_stream(g, a, inp, flow) for inp, out in io.values())
 
 
 def _find_other_roles(
@@ -275,14 +297,15 @@ def _activated_from(g: Graph, node: int) -> list[int]:
         chain.append(g.alias[inputs[0]])
 
 
-def _plain_path(g: Graph, start: int, end: int) -> bool:
-    """Whether node ``end`` derives from ``start`` on a path through no weight op."""
+def _plain_path(g: Graph, start: int, end: int, stops: Container[int] = ()) -> bool:
+    """Whether node ``end`` derives from ``start`` on a path through no weight op (and no
+    node of ``stops`` but ``start``)."""
     todo, seen = [end], set()
     while todo:
         n = todo.pop()
         if n == start:
             return True
-        if n < start or n in seen or g.weight[n]:
+        if n < start or n in seen or g.weight[n] or n in stops:
             continue
         seen.add(n)
         todo.extend(g.inputs[n])
