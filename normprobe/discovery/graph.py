@@ -98,3 +98,21 @@ class Graph:
     def path_of(self, node: int) -> str | None:
         c = self.call[node]
         return None if c is None else self.calls[c].path
+
+    def skip_inside(self, a: int, b: int) -> bool:
+        """Whether one of the sum's operands ``a``, ``b`` reaches, through weightless ops only,
+        something the other is computed from: a skip inside a branch (Inkling's short
+        convolution, ``conv(y) + y``), not two branches side by side (each ends in its own
+        weight op)."""
+        for skip, other in ((a, b), (b, a)):
+            reach: set[int] = set()
+            todo = [skip]
+            while todo:
+                n = todo.pop()
+                if n not in reach:
+                    reach.add(n)  # up to the first weight op on each path, itself included
+                    if not self.weight[n]:
+                        todo.extend(i for i in self.inputs[n] if self.floating[i])
+            if reach and reach & self.region(other, min(reach) - 1)[0]:
+                return True
+        return False

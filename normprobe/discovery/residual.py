@@ -449,7 +449,8 @@ class _Walk:
                     w.conditions += w.gates[before:]
         elif g.op[n] in ADD_OPS and len(acts) == 2 and mode != "gate":
             sides = [self.visit(i, mode) for i in acts]
-            if sum(bool(s) for s in sides) >= 2 and not linear_sum(g, n):
+            branches = sum(bool(s) for s in sides) >= 2 and not linear_sum(g, n)
+            if branches and not g.skip_inside(*acts):
                 w.parallel = True
             found = sides[0] | sides[1]
         else:
