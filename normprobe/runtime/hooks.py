@@ -327,27 +327,30 @@ def unwrapped_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     return inner
 
 
-def warn_no_step(model: nn.Module, forwards: int, has_optimizer: bool) -> None:
-    how = (
-        "its optimizer never stepped"
-        if has_optimizer
-        else "no optimizer was passed to attach() and probe.step() was never called"
-    )
-    warnings.warn(
-        f"normprobe: the probe saw {forwards} forward(s) of {type(model).__name__} but no "
-        f"training step ({how}), so nothing was logged: steps advance with attach(model, "
-        "optimizer=opt) and opt.step(), or with probe.step() after each step",
-        RuntimeWarning,
-        stacklevel=3,  # the caller of remove()
-    )
-
-
-def warn_no_forward(model: nn.Module, steps: int) -> None:
-    warnings.warn(
-        f"normprobe: the probe saw {steps} training step(s) but no forward of "
-        f"{type(model).__name__}, so nothing was logged: the loop runs the model some other "
-        "way (model.forward(x) or a method that calls it, such as ultralytics' "
-        "model.loss(batch)); call model(x), or attach the probe to the module the loop calls",
-        RuntimeWarning,
-        stacklevel=3,  # the caller of remove()
-    )
+def warn_unlogged(
+    model: nn.Module, forwards: int, steps: int, mapped: bool, has_optimizer: bool
+) -> None:
+    """At removal: say why nothing was logged, where forwards ran without a training step or
+    steps ended without a forward of the model."""
+    name = type(model).__name__
+    if forwards and not steps:
+        how = (
+            "its optimizer never stepped"
+            if has_optimizer
+            else "no optimizer was passed to attach() and probe.step() was never called"
+        )
+        message = (
+            f"the probe saw {forwards} forward(s) of {name} but no training step ({how}), so "
+            "nothing was logged: steps advance with attach(model, optimizer=opt) and "
+            "opt.step(), or with probe.step() after each step"
+        )
+    elif steps and not mapped:
+        message = (
+            f"the probe saw {steps} training step(s) but no forward of {name}, so nothing was "
+            "logged: the loop runs the model some other way (model.forward(x) or a method that "
+            "calls it, such as ultralytics' model.loss(batch)); call model(x), or attach the "
+            "probe to the module the loop calls"
+        )
+    else:
+        return
+    warnings.warn(f"normprobe: {message}", RuntimeWarning, stacklevel=3)  # remove()'s caller

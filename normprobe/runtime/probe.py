@@ -24,13 +24,7 @@ from . import tensor_parallel
 from .backward_end import BackwardEnd
 from .ds_engine import Engine0
 from .forward import Forwards
-from .hooks import (
-    OptimizerSteps,
-    ProbeHook,
-    unwrapped_optimizer,
-    warn_no_forward,
-    warn_no_step,
-)
+from .hooks import OptimizerSteps, ProbeHook, unwrapped_optimizer, warn_unlogged
 from .packing import read_back, read_micro_batches
 from .pipeline_records import Exchange, combined, encoded
 from .plan import ProbePlan
@@ -459,10 +453,9 @@ class Probe:
         self._removed = True
         # removed while an exception propagates: that exception is the story, not the steps
         unwinding = sys.exc_info()[0] is not None
-        if self._forward_count and not self._steps_ended and not unwinding and is_writer():
-            warn_no_step(self.model, self._forward_count, self.optimizer is not None)
-        if self._steps_ended and self._plan is None and not unwinding and is_writer():
-            warn_no_forward(self.model, self._steps_ended)
+        if not unwinding and is_writer():
+            mapped, stepping = self._plan is not None, self.optimizer is not None
+            warn_unlogged(self.model, self._forward_count, self._steps_ended, mapped, stepping)
         self._forwards.stop()
         if self._backward is not None:
             self._backward.remove()
