@@ -21,8 +21,8 @@ _MUL_OPS = frozenset({"mul", "__mul__", "__rmul__", "mul_", "__imul__"})
 # Ops that keep a tensor's values and layout (but maybe not its dtype).
 _CAST_OPS = frozenset({"to", "float", "type", "type_as", "contiguous", "clone", "detach"})
 _GEMMA_GAIN = re.compile(r"^(Gemma\d*|RecurrentGemma|PaliGemma)RMSNorm$")
-# (class, eps, input shape) -> what the behaviour probe found
-ProbeCache = dict[tuple[type, float | None, tuple[int, ...]], norm_rules.Behaviour | None]
+# (class, eps, input shape, settings) -> what the behaviour probe found
+ProbeCache = dict[tuple[type, float | None, tuple[int, ...], Any], norm_rules.Behaviour | None]
 
 
 def find_norms(scene: Scene) -> dict[str, NormLayer]:
@@ -55,21 +55,32 @@ def _norm(scene: Scene, path: str, m: nn.Module, cache: ProbeCache) -> NormLayer
         alone = kind is None and named is None
         probing = not exact_torch or (kind is None and named is not None)
         if probing and not (alone and _float_inputs(args, kwargs) > 1):
-            key = (type(m), eps, _shape(args, kwargs))
+            key = (type(m), eps, _shape(args, kwargs), _settings(m))
             if key not in cache:
                 cache[key] = norm_rules.probe(m, args, kwargs, eps)
                 if cache[key] is None and named is not None:  # rows near eps on this input
                     cache[key] = norm_rules.probe(m, args, kwargs, eps, fresh=True)
             behaviour, probed = cache[key], True
+            if behaviour is not None and not norm_rules.invariant_as_is(m, args, kwargs, eps):
+                behaviour = None  # a normalizer only with the probe's parameters
+            named_only = behaviour is None and kind is None and named is not None
+            if named_only and norm_rules.no_normalization(m, args, kwargs):
+                return None  # named like a norm, but an identity or of another size out
     elif not exact_torch and (kind is not None or named is not None):
         # not traced (no example input): a norm class of its own is run alone on a made-up
         # input, for what its name cannot say (Gemma's 1 + weight behind a plain RMSNorm name)
-        key = (type(m), eps, (-1, *_gain_shape(m)))  # -1: no shape a traced input has
+        key = (type(m), eps, (-1, *_gain_shape(m)), _settings(m))  # -1: no traced shape
         if key not in cache:
             cache[key] = norm_rules.probe_alone(m, eps)
         behaviour = cache[key]
     tanh = norm_rules.tanh_replacement(m)
     if kind is None and named is None and behaviour is None and tanh is None:
+        return None
+    if g is not None and call is None and _unknown_by_name(kind, named, behaviour, tanh):
+        scene.notes.append(
+            f"{path or '<root>'} ({type(m).__name__}) is named like a norm, but the forward "
+            "never called it and nothing tells what it computes: not listed (it is in no stream)"
+        )
         return None
     kind, how = _recognized(scene, path, m, (kind, named, tanh), behaviour, probed)
     return NormLayer(
@@ -284,6 +295,38 @@ def _eps_placement(
     if behaviour is not None:
         return behaviour.eps_placement
     return "inside-sqrt" if norm_rules.torch_kind(m) is not None else "unknown"
+
+
+def _unknown_by_name(
+    kind: NormKind | None,
+    named: str | None,
+    behaviour: norm_rules.Behaviour | None,
+    tanh: str | None,
+) -> bool:
+    """Whether only a name of unknown kind says the module is a norm."""
+    if kind is not None or behaviour is not None or tanh is not None or named is None:
+        return False
+    return norm_rules.kind_from_name(named) == "unknown"
+
+
+def _settings(m: nn.Module) -> tuple[Any, ...]:
+    """What may make two modules of one class behave differently on one input: the class, the
+    plain attributes (GDN's ``inverse``) and the parameter and buffer shapes of each module
+    below it (a wrapper around an ``nn.Identity`` or a LayerNorm), ``training`` aside."""
+    out: list[Any] = []
+    for path, sub in m.named_modules():
+        plain = tuple((k, v) for k, v in sorted(vars(sub).items()) if k != "training" and _plain(v))
+        tensors = tuple((n, tuple(t.shape)) for n, t in sub.named_parameters(recurse=False))
+        buffers = tuple((n, tuple(t.shape)) for n, t in sub.named_buffers(recurse=False))
+        out.append((path, type(sub), plain, tensors, buffers))
+    return tuple(out)
+
+
+def _plain(value: Any) -> bool:
+    """A number, string, None or tuple of them: a setting."""
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, bool | int | float | str)
 
 
 def _float_inputs(args: Any, kwargs: Any) -> int:

@@ -225,6 +225,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / a.norm().clamp_min(1e-30))
 
 
+class _SizeChanged(ValueError):
+    """The module's output is not of its input's size."""
+
+
 class _Prober:
     """Calls one module on variations of its captured input, leaving no trace on it."""
 
@@ -260,6 +264,10 @@ class _Prober:
             else p
             for name, p in module.named_parameters()
         }
+        self.own = {
+            name: p.detach().to(wide) if p.is_floating_point() else p
+            for name, p in module.named_parameters()
+        }
         self.buffers = {
             name: b.to(wide) if b.is_floating_point() else b for name, b in module.named_buffers()
         }
@@ -272,7 +280,7 @@ class _Prober:
         out = torch.func.functional_call(self.module, tensors, tuple(args), kwargs)
         y = first_float(out)
         if y is None or y.numel() != x.numel():
-            raise ValueError("output size differs from input")
+            raise _SizeChanged("output size differs from input")
         return y.reshape(x.shape).double()  # heads merged into one axis (xLSTM's head norm)
 
     def gain_offset(self) -> float | None:
@@ -341,6 +349,42 @@ def gain_offset(module: nn.Module, args: Any, kwargs: Any) -> float | None:
         return None
 
 
+def invariant_as_is(module: nn.Module, args: Any, kwargs: Any, eps: float | None) -> bool:
+    """Whether ``module`` with its own parameters, not the probe's random ones, is scale
+    invariant too (on its input or a Gaussian one, in eval or train mode). Parameters inside
+    the statistics can make a normalizer of it under random values only: GDN's
+    ``x / sqrt(beta + gamma @ x^2)`` at its init (beta = 1, gamma = 0.1 I) is elementwise."""
+    try:
+        with preserved(module), torch.no_grad():
+            for fresh in (False, True):
+                p = _Prober(module, args, kwargs, eps, fresh)
+                for train in (False, True):
+                    module.train(train)
+                    if not _rel(p(p.x, p.own), p(p.x * 7.3, p.own)) >= 1e-3:  # NaN: no evidence
+                        return True
+            return False
+    except Exception:  # ran with random parameters but not its own: no evidence against
+        return True
+
+
+def no_normalization(module: nn.Module, args: Any, kwargs: Any) -> bool:
+    """Whether ``module``'s output on its input is no normalization of it whatever its name:
+    of another size (e3nn's ``o3.Norm``, the magnitude of each irrep) or, in eval and in train
+    mode, the input itself (neuralforecast's ``MaybeLayerNorm`` holding an ``nn.Identity``)."""
+    try:
+        with preserved(module), torch.no_grad():
+            p = _Prober(module, args, kwargs, None)
+            same = []
+            for train in (False, True):
+                module.train(train)
+                same.append(torch.equal(p(p.x), p.x.double()))
+            return all(same)
+    except _SizeChanged:
+        return True
+    except Exception:  # the module refuses variations of its input: nothing measured
+        return False
+
+
 def _constant(x: torch.Tensor) -> bool:
     """Whether every element of ``x`` holds the same value (zero included)."""
     return float(x.max() - x.min()) <= 1e-6 * float(x.abs().max())
@@ -364,17 +408,46 @@ def _describe(p: _Prober, y: torch.Tensor, eps: float | None) -> Behaviour:
     return Behaviour(centering, layout, dims, p.gain_offset(), placement, kind, varying)
 
 
+# How many channels `_statistics_layout` perturbs, the ends included.
+_CENTERS = 8
+
+
 def _statistics_layout(p: _Prober, y: torch.Tensor) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-    """Perturb one element and see which others move: they share its statistics. The element
-    is the largest: a zero row of the input (a padding token's embedding) would stay zero
-    around it whatever it shares."""
+    """Perturb one element and see which others move: they share its statistics. The element is
+    the largest, then others of its row along the channel axis (the last dim channels-last,
+    else dim 1), the ends included: a layout only some channels share (e3nn's BatchNorm, each
+    vector's components jointly, each scalar alone) is no known one. The row is the largest
+    element's: a zero row of the input (a padding token's embedding) would stay zero around it
+    whatever it shares."""
+    shape = p.x.shape
+    center = tuple(int(i) for i in torch.unravel_index(p.x.abs().argmax(), shape))
+    found = _shared_with(p, y, center)
+    if not found[0]:
+        return found
+    axis = len(shape) - 1 if found[0] == "channels-last" else 1
+    n = shape[axis]
+    for i in sorted({round(k * (n - 1) / (_CENTERS - 1)) for k in range(_CENTERS)}):
+        other = (*center[:axis], i, *center[axis + 1 :])
+        if other != center and _shared_with(p, y, other) != found:
+            return "", (), ()
+    return found
+
+
+def _shared_with(
+    p: _Prober, y: torch.Tensor, center: tuple[int, ...]
+) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """The layout, dims and varying input dims of the elements that move with ``center``."""
     x = p.x.clone()
     shape = x.shape
-    center = tuple(int(i) for i in torch.unravel_index(x.abs().argmax(), shape))
     x[center] = x[center] + 5.0 * p.size
     moved = ((p(x) - y).abs() > 1e-6 * y.abs().max().clamp_min(1e-30)).nonzero()
     varying = {d for d in range(len(shape)) if (moved[:, d] != center[d]).any()}
     layout, dims = _classify(shape, moved, varying)
+    if layout == "channels-last":  # the whole row: each element moves, or is 0 (an RMSNorm's)
+        covered = p.x[center[:-1]] == 0
+        covered[moved[:, -1]] = True
+        if not covered.all():
+            return "", (), tuple(sorted(varying))
     return layout, dims, tuple(sorted(varying))
 
 
