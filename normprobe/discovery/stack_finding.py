@@ -4,6 +4,7 @@ norms of each stack sit around its adds."""
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
 
 from torch import nn
@@ -45,12 +46,46 @@ def find_stacks(scene: Scene) -> list[FoundStack]:
         sums,
         partial(_sublayers, scene),
     )
+    found = _off_stream(scene, found)
     found = [
         grouped_sublayers(s, scene.model, [_adds_in_block(scene, b) for b in s.blocks])
         for s in _without_lone_sublayers(scene, found)
         if not _inside_one_branch(scene, s)
     ]
     return _with_unpacked(scene, found)
+
+
+def _off_stream(scene: Scene, found: list[FoundStack]) -> list[FoundStack]:
+    """``found`` without the runs of blocks no list of one class holds (a plain module's
+    children, a stretch of a mixed Sequential) whose adds stand on separate streams: where
+    consecutive blocks both make residual adds of their own, no run of adds goes from one
+    into the next (YOLO's C3k2 modules across its neck, joined by an upsampling and a
+    concatenation, each adding inside its Bottleneck). One such step suffices: a projection
+    shortcut starts a run at each stage of a flat list of blocks (DPN's). Adds inside a block
+    of another stack within them are not their own: stages (RegNet's) stay stacks."""
+    at = {i: (r, k) for r, run in enumerate(scene.runs) for k, i in enumerate(run)}
+    inner = {b for s in found for b in s.blocks}
+
+    def own(block: str) -> list[int]:
+        nested = [b for b in inner if b.startswith(block + ".")]
+        return [
+            i
+            for i, a in enumerate(scene.adds)
+            if add_within(scene, a, block) and not any(add_within(scene, a, b) for b in nested)
+        ]
+
+    def continues(first: list[int], then: list[int]) -> bool:
+        return any(at[i][0] == at[j][0] and at[i][1] < at[j][1] for i in first for j in then)
+
+    kept = []
+    for s in found:
+        if not (s.generic or s.mixed or s.repeated):
+            adds = [own(b) for b in s.blocks]
+            steps = [continues(a, b) for a, b in itertools.pairwise(adds) if a and b]
+            if steps and not any(steps):
+                continue
+        kept.append(s)
+    return kept
 
 
 def _inside_one_branch(scene: Scene, s: FoundStack) -> bool:

@@ -100,12 +100,20 @@ def skipped_blocks(candidates: list[FoundStack], g: Graph) -> list[str]:
     """The blocks of containers of one class that did not run while others of theirs did, in
     a chain when more than one did (experts a router passed over run side by side); and of any
     container whose blocks are never called themselves, those inside which no module ran while
-    one did inside others (LayerDrop over x-transformers' lists of sublayers)."""
+    one did inside others (LayerDrop over x-transformers' lists of sublayers). A block called
+    that holds parameters but ran no module holding some of its own is skipped too."""
     first_call = g.first_calls()
     # containers never called themselves (x-transformers' blocks, lists of sublayers that the
     # parent runs): a block ran when a module inside it did
     inside = {
         path.rsplit(".", depth)[0] for path in first_call for depth in range(1, path.count(".") + 1)
+    }
+    # modules that ran a module holding parameters of its own, or are one
+    weighed = {
+        path.rsplit(".", depth)[0]
+        for path, cid in first_call.items()
+        if any(True for _ in g.calls[cid].module.parameters(recurse=False))
+        for depth in range(path.count(".") + 1)
     }
     skipped = []
     for cand in candidates:
@@ -115,11 +123,20 @@ def skipped_blocks(candidates: list[FoundStack], g: Graph) -> list[str]:
             if entered and len(entered) < len(cand.blocks):
                 skipped += [b for b in cand.blocks if b not in inside]
             continue
-        if not cand.generic or len(ran) == len(cand.blocks):
-            continue
-        if _chained(g, ran):
-            skipped += [b for b in cand.blocks if b not in first_call]
+        # a block called but running none of its layers (a per-sample layer dropout keeping no
+        # row: torchtune's ModuleLayerDropoutWrapper) was skipped too
+        missed = [
+            b
+            for b in cand.blocks
+            if b not in first_call or (b not in weighed and _holds_parameters(g, first_call[b]))
+        ]
+        if missed and cand.generic and _chained(g, ran):
+            skipped += missed
     return skipped
+
+
+def _holds_parameters(g: Graph, cid: int) -> bool:
+    return any(True for _ in g.calls[cid].module.parameters())
 
 
 def executed_stacks(
@@ -139,10 +156,11 @@ def executed_stacks(
     two chained layers of a block are no depth axis. Where the model makes residual adds
     (their sums' nodes, ``sums``), blocks applying no weight (norms) must stand at different
     depths of the stream: an add completes while they run (a pre and a post norm of one
-    sublayer kept in a list stand at one depth, before the sublayer's add). Candidates
-    holding a block's sublayers rather than blocks (``sublayers(candidate, inside another
-    kept stack's block)``: MaxViT's MBConv, window and grid attention) are dropped, and so
-    are those of the same structure.
+    sublayer kept in a list stand at one depth, before the sublayer's add). Blocks that are
+    bare layers (no children) need a residual sum between each two: a list of Linears with none
+    is one MLP (DETR's box head), not a stack. Candidates holding a block's sublayers rather
+    than blocks (``sublayers(candidate, inside another kept stack's block)``: MaxViT's MBConv,
+    window and grid attention) are dropped, and so are those of the same structure.
     """
     calls_of: dict[str, list[int]] = {}
     for cid, call in enumerate(g.calls):
@@ -159,6 +177,8 @@ def executed_stacks(
             continue
         if sums and not _apart(g, [cid for cid, _ in ran], sums):
             continue  # weightless blocks at one depth: a sublayer's pre and post norms
+        if sums is not None and _bare(g, [cid for cid, _ in ran], sums):
+            continue  # bare layers with no residual add between them: one MLP (DETR's)
         blocks = [b for _, b in ran]
         kept.append((ran[0][0], dataclasses.replace(cand, blocks=blocks)))
     if sublayers is not None:
@@ -186,6 +206,20 @@ def executed_stacks(
         block_type = type(g.calls[cids[0]].module).__name__
         kept.append((cids[0], FoundStack(path, [path] * len(cids), block_type, repeated=True)))
     return [s for _, s in sorted(kept, key=lambda item: item[0])]
+
+
+def _bare(g: Graph, cids: list[int], sums: list[int]) -> bool:
+    """Whether the calls ``cids`` are of layers without children, between two of which
+    (from the start of one to the start of the next) no residual sum (a node of sorted
+    ``sums``) is computed."""
+    if any(True for _ in g.calls[cids[0]].module.children()):
+        return False
+    starts = [g.calls[c].first_node for c in cids]
+    for start, end in itertools.pairwise(starts):
+        i = bisect.bisect_left(sums, start)
+        if i == len(sums) or sums[i] >= end:
+            return True
+    return False
 
 
 def _apart(g: Graph, cids: list[int], sums: list[int]) -> bool:
@@ -291,6 +325,8 @@ def unpacked_stacks(
         if len(order) // units < 2:
             continue
         groups = [order[k : k + units] for k in range(0, len(order), units)]
+        if len({tuple(e.rpartition(".")[0] for e in u) for u in groups}) > 1:
+            continue  # blocks of different lists (TFT's variable and context GRNs)
         block_type = "+".join(type(modules[e]).__name__ for e in groups[0])
         stack = FoundStack(
             path,
