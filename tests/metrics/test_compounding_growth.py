@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from olmo2 import train_olmo2
 from tb import read_events
 from torch import nn
 
@@ -105,29 +106,7 @@ def test_olmo2_three_blocks_healthy_is_no_compounding(tmp_path: Path) -> None:
     blocks' small branch outputs at init, so the stream reads about 0.08, 0.6, 1.4 (writes 0.08,
     0.6, 1.3: it grows by adding) while the loss falls; the first ratio (7) said the stream
     compounds."""
-    from transformers import Olmo2Config, Olmo2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Olmo2Config(
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=128,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    model = Olmo2ForCausalLM(config)
-    data = torch.randint(3, 128, (2, 16))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with normprobe.attach(model, opt, log_dir=str(tmp_path), every=1):
-        for _ in range(15):
-            model(input_ids=data, labels=data, use_cache=False).loss.backward()
-            opt.step()
-            opt.zero_grad()
+    train_olmo2(tmp_path, layers=3, steps=15, batch=(2, 16))
     scalars = read_events(str(tmp_path)).scalars
     growth = dict(scalars[tags.format("resid_growth", "model.layers")])
     assert max(growth.values()) > resid_rms.GROWTH_LIMIT

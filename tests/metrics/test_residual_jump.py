@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from olmo2 import train_olmo2
 from tb import read_events
 from torch import nn
 
@@ -22,33 +23,23 @@ def _jump(report: normprobe.RunReport) -> normprobe.Flag | None:
     return next((f for f in report.flags if f.kind == "residual jump"), None)
 
 
+def _train_frozen(model: TinyTransformer, log_dir: Path) -> None:
+    """Three logged steps at learning rate 0: the stream profile stays the init's."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", normprobe.DiscoveryWarning)
+        with normprobe.attach(model, opt, log_dir=str(log_dir), every=1):
+            for _ in range(3):
+                x = torch.randint(0, 96, (4, 16))
+                model.loss(x, x).backward()
+                opt.step()
+
+
 def test_olmo2_whose_first_blocks_write_little_has_no_jump(tmp_path: Path) -> None:
     """transformers' OLMo-2 at width 64: its post norms' eps outweighs the first blocks' tiny
     branch outputs, so blocks 0 and 1 write 0.07 and 0.5 where the later ones write 1-1.4; the
     stream leaving block 1 is 7-12x block 0's in a healthy run."""
-    from transformers import Olmo2Config, Olmo2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Olmo2Config(
-        hidden_size=64,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=128,
-        vocab_size=128,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    model = Olmo2ForCausalLM(config)
-    data = torch.randint(3, 128, (8, 33))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with normprobe.attach(model, opt, log_dir=str(tmp_path), every=1):
-        for _ in range(4):
-            model(input_ids=data, labels=data, use_cache=False).loss.backward()
-            opt.step()
-            opt.zero_grad()
+    train_olmo2(tmp_path, layers=6, steps=4, batch=(8, 33))
     scalars = read_events(str(tmp_path)).scalars
     profile = [dict(scalars[tags.format("resid_rms", "model.layers", b)])[3] for b in range(6)]
     assert profile[1] / profile[0] > resid_rms.JUMP_LIMIT / 2  # a jump by the ratio alone
@@ -63,14 +54,7 @@ def test_one_block_scaled_up_is_a_jump_even_right_after_the_first(tmp_path: Path
         return out * 1e3
 
     model.blocks[1].mlp.register_forward_hook(scaled)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", normprobe.DiscoveryWarning)
-        with normprobe.attach(model, opt, log_dir=str(tmp_path), every=1):
-            for _ in range(3):
-                x = torch.randint(0, 96, (4, 16))
-                model.loss(x, x).backward()
-                opt.step()
+    _train_frozen(model, tmp_path)
     flag = _jump(normprobe.report_run(tmp_path))
     assert flag is not None and flag.severity == "problem"
     assert "leaving block 1 has" in flag.message and flag.value > resid_rms.JUMP_LIMIT
@@ -88,14 +72,7 @@ def test_a_last_block_writing_more_than_quiet_peers_is_no_jump(tmp_path: Path) -
 
     model.blocks[2].attn.register_forward_hook(loud)
     model.blocks[2].mlp.register_forward_hook(loud)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", normprobe.DiscoveryWarning)
-        with normprobe.attach(model, opt, log_dir=str(tmp_path), every=1):
-            for _ in range(3):
-                x = torch.randint(0, 96, (4, 16))
-                model.loss(x, x).backward()
-                opt.step()
+    _train_frozen(model, tmp_path)
     scalars = read_events(str(tmp_path)).scalars
     profile = [dict(scalars[tags.format("resid_rms", "blocks", b)])[2] for b in range(3)]
     assert profile[2] / profile[1] > resid_rms.JUMP_LIMIT  # a jump by the ratio alone
