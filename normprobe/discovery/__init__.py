@@ -25,6 +25,7 @@ from .model_map import (
     NormLayer,
     ResidualAdd,
     Stack,
+    inside,
     is_bias_name,
 )
 from .ops import ADD_OPS, FIRST_ONLY_OPS, MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, WEIGHT_OPS
@@ -55,6 +56,7 @@ __all__ = [
     "discover",
     "discover_on_carried",
     "discover_on_first_forward",
+    "inside",
     "is_bias_name",
     "mixes_heads",
     "preserved",

@@ -326,6 +326,12 @@ class ModelMap:
         return render(self)
 
 
+def inside(path: str, container: str) -> bool:
+    """Whether module ``path`` is ``container`` or lies within it (anything lies within the
+    root, ``""``)."""
+    return container == "" or path == container or path.startswith(container + ".")
+
+
 def is_bias_name(name: str) -> bool:
     """Whether a parameter of this name is an additive offset (a bias, a norm's beta)."""
     low = name.lower()

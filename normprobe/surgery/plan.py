@@ -12,11 +12,12 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..discovery import inside
 from ..discovery import norms as norm_rules
 from ..layers import DyT
 from .layout import Layout, Refusal, Stats, source_layout
 from .report import ConversionReport
-from .select import Source, inside
+from .select import Source
 from .targets import CLASS_NAMES, Target
 
 _GAIN_NAMES = ("weight", "gamma", "gain", "scale", "g")

@@ -20,6 +20,7 @@ from ..discovery import (
     block_glob,
     discover,
     discover_on_carried,
+    inside,
     refusal,
 )
 from ..layers import DyT
@@ -106,11 +107,6 @@ def sources(model: nn.Module, model_map: ModelMap) -> list[Source]:
         if isinstance(m, DyT) and id(m) not in listed:
             found.append(Source(None, m, tuple(names[id(m)]), model_map.traced))
     return found
-
-
-def inside(path: str, container: str) -> bool:
-    """Whether module ``path`` is ``container`` or lies within it."""
-    return container == "" or path == container or path.startswith(container + ".")
 
 
 def _positions(model_map: ModelMap) -> dict[str, str]:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ...discovery import ResidualAdd
+from ...discovery import ResidualAdd, inside
 from .base import Plan
 
 JOIN = " + "  # between the paths of a block's modules, where it is several
@@ -110,17 +110,13 @@ def _segments(
                 )
                 if path is not None
             }
-            outside = {p for p in around if not any(_within(p, m) for m in members)}
+            outside = {p for p in around if not any(inside(p, m) for m in members)}
             if len(members) > 1 or outside:
                 found[stack.path, b] = [*members, *sorted(outside)]
     owners = Counter(path for paths in found.values() for path in paths)
     order = {path: i for i, path in enumerate(plan.modules_in_order)}
     own = {key: [p for p in paths if owners[p] == 1] for key, paths in found.items()}
     return {key: sorted(paths, key=order.__getitem__) for key, paths in own.items() if paths}
-
-
-def _within(path: str, block: str) -> bool:
-    return path == block or path.startswith(block + ".") or not block
 
 
 def watch_units(

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ...discovery import ResidualAdd
+from ...discovery import ResidualAdd, inside
 from ...layers.branch_scale import BranchScale
 from ..branches import (
     branch_ends,
@@ -195,7 +195,7 @@ def deepnorm(t: Target, *, n_layers: Any = None, alpha: Any = None, beta: Any = 
             layers = [p for p in a.branch_layers if not isinstance(t.module(p), nn.Embedding)]
             scopes = _attention_scopes(t, attention, layers)
             in_attention = [
-                p for p in layers if p not in a.writers and any(_within(p, q) for q in scopes)
+                p for p in layers if p not in a.writers and any(inside(p, q) for q in scopes)
             ]
             value_slices = values.find(a, in_attention) if in_attention else {}
             for path in layers:
@@ -215,10 +215,6 @@ def deepnorm(t: Target, *, n_layers: Any = None, alpha: Any = None, beta: Any = 
     _set_fixed_scalers(t, scalers, "deepnorm")
 
 
-def _within(path: str, scope: str) -> bool:
-    return scope == "" or path == scope or path.startswith(scope + ".")
-
-
 def _attention_scopes(t: Target, attention: list[str], layers: list[str]) -> list[str]:
     """Where a branch's query, key and value projections live: each attention module holding
     some of the branch's ``layers``, or the module around one that holds none (the
@@ -226,11 +222,11 @@ def _attention_scopes(t: Target, attention: list[str], layers: list[str]) -> lis
     ``inner_attention``) where every weight layer of it is on this branch."""
     scopes = []
     for att in attention:
-        if any(_within(p, att) for p in layers):
+        if any(inside(p, att) for p in layers):
             scopes.append(att)
             continue
         parent = att.rpartition(".")[0]
-        held = [p for p, _ in t.weight_layers() if _within(p, parent)]
+        held = [p for p, _ in t.weight_layers() if inside(p, parent)]
         if held and all(p in layers for p in held):
             scopes.append(parent)
     return scopes
