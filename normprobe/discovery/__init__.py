@@ -29,7 +29,7 @@ from .model_map import (
     is_bias_name,
 )
 from .ops import ADD_OPS, FIRST_ONLY_OPS, MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, WEIGHT_OPS
-from .state import preserved
+from .state import ParameterWrites, preserved
 from .trace import scripted_functions_as_python
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "Doubt",
     "ModelMap",
     "NormLayer",
+    "ParameterWrites",
     "ResidualAdd",
     "Stack",
     "block_glob",

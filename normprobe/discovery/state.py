@@ -3,7 +3,7 @@ back."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,7 +25,7 @@ def preserved(module: nn.Module, *, grads: bool = False) -> Iterator[None]:
     saved_grads = [p.grad for p in params]
     tensors = [*module.parameters(), *module.buffers()]
     cuda = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
-    guard = _ParameterWrites(module)
+    guard = ParameterWrites(module.parameters())
     # the memory each parameter holds now, kept by reference: a forward that assigns
     # ``p.data = w * mask`` (a masked convolution) gets its old memory back
     memory = [(p, p.data) for p in module.parameters()]
@@ -64,18 +64,22 @@ def _own_generators(module: nn.Module) -> list[torch.Generator]:
     return list(found.values())
 
 
-class _ParameterWrites(TorchFunctionMode):
-    """Copies each parameter an in-place op is about to write (through any tensor sharing its
-    memory: ``p.data``, a view), once, so that `restore` can put it back: a copy of only the
-    parameters the forward changes."""
+class ParameterWrites(TorchFunctionMode):
+    """Copies each of ``params`` an in-place op is about to write (through any tensor sharing
+    its memory: ``p.data``, a view), once, so that `restore` can put it back: a copy of only
+    the parameters the code run inside changes. Those without plain memory to watch (a
+    DTensor's) are listed in ``unwatched``."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
         super().__init__()
         self.by_memory: dict[int, list[nn.Parameter]] = {}
-        for p in module.parameters():
+        self.unwatched: list[nn.Parameter] = []
+        for p in params:
             address = _memory(p)
             if address is not None:
                 self.by_memory.setdefault(address, []).append(p)
+            else:
+                self.unwatched.append(p)
         self.saved: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
 
     def __torch_function__(
@@ -87,7 +91,9 @@ class _ParameterWrites(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        target = kwargs.get("out") if "out" in kwargs else args[0] if args else None
+        # the tensor written: ``out=``, else the first argument (``tensor=`` for nn.init's)
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        target = kwargs.get("out") if "out" in kwargs else first
         in_place = "out" in kwargs or name == "__setitem__" or _in_place_name(name)
         if in_place and isinstance(target, torch.Tensor) and self.by_memory:
             address = _memory(target)
@@ -97,10 +103,13 @@ class _ParameterWrites(TorchFunctionMode):
                         self.saved[id(p)] = (p, p.detach().clone())
         return func(*args, **kwargs)
 
-    def restore(self) -> None:
+    def restore(self) -> list[nn.Parameter]:
+        """Put back each parameter written; those whose values had changed."""
+        changed = [p for p, value in self.saved.values() if not torch.equal(p, value)]
         for p, value in self.saved.values():
             p.copy_(value)
         self.saved.clear()
+        return changed
 
 
 _AUGMENTED = frozenset(

@@ -7,6 +7,7 @@ there (`_document`).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
@@ -15,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ..discovery import ModelMap
+from ..discovery import ModelMap, ParameterWrites
 from ..layers.branch_scale import Wrapper
 from .report import ReinitReport
 from .scheme import Scheme
@@ -129,12 +130,15 @@ def reinit_with_report(
         depth = spec.counts_depth(chosen)
         t.refuse_doubts("reinit", depth, _REINIT_WAY_OUT[depth])
     before = {id(p) for p in model.parameters()}
-    frozen = [(name, p, p.detach().clone()) for name, p in model.named_parameters()]
-    frozen = [entry for entry in frozen if not entry[1].requires_grad]
-    spec.apply(t, **chosen)
+    # parameters that do not train, copied only if the scheme writes them (a frozen backbone)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    writes = ParameterWrites(frozen)
+    copies = [(p, p.detach().clone()) for p in writes.unwatched]  # no memory to watch
+    with writes if writes.by_memory else contextlib.nullcontext():
+        spec.apply(t, **chosen)
     if t.kept_vectors:
         _warn_kept_vectors(model, spec.name, t.kept_vectors)
-    _keep_frozen(t, spec.name, frozen)
+    _keep_frozen(t, model, spec.name, frozen, writes, copies)
     for kept in t.applied.commit():
         t.rec.undo(kept, "its parametrization cannot be set to a given tensor: kept its value")
     parametrized = t.applied.parametrized(model)
@@ -143,35 +147,45 @@ def reinit_with_report(
 
 
 def _keep_frozen(
-    t: Target, scheme: str, frozen: list[tuple[str, nn.Parameter, torch.Tensor]]
+    t: Target,
+    model: nn.Module,
+    scheme: str,
+    frozen: list[nn.Parameter],
+    writes: ParameterWrites,
+    copies: list[tuple[nn.Parameter, torch.Tensor]],
 ) -> None:
     """Put back the parameters that do not train (``requires_grad=False``: a frozen backbone
     under LoRA, YOLO's fixed DFL projection), which no optimizer could repair, and say so."""
-    changed = [name for name, p, value in frozen if not torch.equal(p.detach(), value)]
     with torch.no_grad():
-        for _, p, value in frozen:
+        changed = writes.restore()
+        changed += [p for p, value in copies if not torch.equal(p.detach(), value)]
+        for p, value in copies:
             p.copy_(value)
-            t.rec.undo(p, f"it does not train (requires_grad=False): {scheme} keeps it")
+    for p in frozen:
+        t.rec.undo(p, f"it does not train (requires_grad=False): {scheme} keeps it")
     if changed:
-        shown = ", ".join(changed[:3]) + (
-            f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-        )
+        names = _names(model, changed)
         warn_user(
             f"reinit(model, {scheme!r}) left {len(changed)} parameter(s) that do not train "
-            f"(requires_grad=False: {shown}) as they were; set requires_grad=True on them first "
+            f"(requires_grad=False: {names}) as they were; set requires_grad=True on them first "
             "to re-initialize them"
         )
 
 
 def _warn_kept_vectors(model: nn.Module, scheme: str, kept: list[torch.Tensor]) -> None:
-    names = {id(p): name for name, p in model.named_parameters()}
-    listed = [names.get(id(p), "?") for p in kept]
-    shown = ", ".join(listed[:3]) + (f" and {len(listed) - 3} more" if len(listed) > 3 else "")
     warn_user(
-        f"reinit(model, {scheme!r}) kept {len(listed)} vector(s) of weight layers that are not "
-        f"biases ({shown}): a flat weight the layer reshapes (e3nn) or a learned decay has no "
-        "fan-in a scheme can read; initialize them with the model's own init"
+        f"reinit(model, {scheme!r}) kept {len(kept)} vector(s) of weight layers that are not "
+        f"biases ({_names(model, kept)}): a flat weight the layer reshapes (e3nn) or a learned "
+        "decay has no fan-in a scheme can read; initialize them with the model's own init"
     )
+
+
+def _names(model: nn.Module, params: Sequence[torch.Tensor]) -> str:
+    """The first three of ``params``' names, in the model's order, and how many more."""
+    ids = {id(p) for p in params}
+    listed = [name for name, p in model.named_parameters() if id(p) in ids]
+    more = f" and {len(listed) - 3} more" if len(listed) > 3 else ""
+    return ", ".join(listed[:3]) + more
 
 
 def _scheme(scheme: Any) -> Scheme:
