@@ -264,10 +264,6 @@ class _Prober:
             else p
             for name, p in module.named_parameters()
         }
-        self.own = {
-            name: p.detach().to(wide) if p.is_floating_point() else p
-            for name, p in module.named_parameters()
-        }
         self.buffers = {
             name: b.to(wide) if b.is_floating_point() else b for name, b in module.named_buffers()
         }
@@ -358,9 +354,13 @@ def invariant_as_is(module: nn.Module, args: Any, kwargs: Any, eps: float | None
         with preserved(module), torch.no_grad():
             for fresh in (False, True):
                 p = _Prober(module, args, kwargs, eps, fresh)
+                own = {  # the module's own parameters, in the probe's dtype
+                    n: q.detach().to(p.x.dtype) if q.is_floating_point() else q
+                    for n, q in module.named_parameters()
+                }
                 for train in (False, True):
                     module.train(train)
-                    if not _rel(p(p.x, p.own), p(p.x * 7.3, p.own)) >= 1e-3:  # NaN: no evidence
+                    if not _rel(p(p.x, own), p(p.x * 7.3, own)) >= 1e-3:  # NaN: no evidence
                         return True
             return False
     except Exception:  # ran with random parameters but not its own: no evidence against
